@@ -1,0 +1,95 @@
+"""Where the installed TRL keeps its PPO trainer, and whether we support that TRL.
+
+TRL's PPOv2-style trainer moved from ``trl.PPOTrainer`` (0.12 - 0.28) to
+``trl.experimental.ppo.PPOTrainer`` (0.26 - 1.12) and was removed in 1.13. We support
+``TRL_MIN <= trl < TRL_MAX``; the README explains the floor. Everything else in the package
+imports TRL through this module, so a future move is a one-file change.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.version import Version
+
+TRL_MIN = "1.0.0"
+TRL_MAX = "1.13.0"  # exclusive: trl 1.13 removed the PPO trainer
+
+# (module, trainer class, config class), first match wins.
+_LOCATIONS = (
+    ("trl.experimental.ppo", "PPOTrainer", "PPOConfig"),
+    ("trl", "PPOTrainer", "PPOConfig"),
+)
+
+
+def installed_trl_version() -> str:
+    try:
+        return version("trl")
+    except PackageNotFoundError as err:
+        raise ImportError(
+            f"trl-ppo-ext needs TRL, which is not installed. Install a supported version: "
+            f"pip install 'trl>={TRL_MIN},<{TRL_MAX}'."
+        ) from err
+
+
+def check_trl_version(installed: str | None = None) -> str:
+    """Raise ImportError unless ``installed`` (default: the installed TRL) is supported.
+
+    >>> check_trl_version("1.12.0")
+    '1.12.0'
+    """
+    installed = installed or installed_trl_version()
+    v = Version(installed)
+    if not (Version(TRL_MIN) <= v < Version(TRL_MAX)):
+        raise ImportError(
+            f"trl-ppo-ext supports trl>={TRL_MIN},<{TRL_MAX} but trl=={installed} is installed"
+            + (" (trl 1.13 removed the PPO trainer)" if v >= Version(TRL_MAX) else "")
+            + f". Install a supported version: pip install 'trl>={TRL_MIN},<{TRL_MAX}'."
+        )
+    return installed
+
+
+def _import_quietly(name: str):
+    # trl.experimental warns on every import; our users did not import it themselves.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        return importlib.import_module(name)
+
+
+def load_trl_ppo():
+    """Return ``(TRLPPOTrainer, TRLPPOConfig, module)`` from wherever TRL keeps them."""
+    check_trl_version()
+    for module_name, trainer_name, config_name in _LOCATIONS:
+        try:
+            module = _import_quietly(module_name)
+        except ImportError:
+            continue
+        trainer, config = getattr(module, trainer_name, None), getattr(module, config_name, None)
+        if trainer is not None and config is not None:
+            return trainer, config, module
+    raise ImportError(
+        f"trl=={installed_trl_version()} is in the supported range but its PPO trainer was not "
+        f"found in any of {[m for m, _, _ in _LOCATIONS]}. Please report this."
+    )
+
+
+TRLPPOTrainer, TRLPPOConfig, _ppo_module = load_trl_ppo()
+# The trainer module itself (helpers such as ``unwrap_model_for_generation`` live near it).
+trl_ppo_trainer_module = importlib.import_module(TRLPPOTrainer.__module__)
+
+
+def unwrap_model_for_generation(*args, **kwargs):
+    """TRL's context manager that gathers ZeRO-3 weights for generation."""
+    from trl.models.utils import unwrap_model_for_generation as _unwrap
+
+    return _unwrap(*args, **kwargs)
+
+
+def prepare_deepspeed(model, accelerator):
+    """TRL's helper that wraps a frozen model in a DeepSpeed inference engine."""
+    fn = getattr(trl_ppo_trainer_module, "prepare_deepspeed", None)
+    if fn is None:  # pragma: no cover - location differs across 1.x
+        from trl.trainer.utils import prepare_deepspeed as fn
+    return fn(model, accelerator)

@@ -1,0 +1,103 @@
+"""Tiny local tokenizers and random Llama models: for tests, the example and benchmarks.
+
+Nothing here touches a model hub. The tokenizer is a ``tokenizers`` WordLevel vocabulary
+wrapped in ``PreTrainedTokenizerFast`` with a small chat template; the models are
+random-init ``LlamaConfig`` models sized by arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
+
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<user>", "<assistant>")
+
+# A deliberately small template: one turn per message, generation prompt opens the
+# assistant turn. Uses only what Jinja in transformers provides.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<user> {{ message['content'] }} <eos> "
+    "{% else %}<assistant> {{ message['content'] }} <eos> {% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def default_words(n: int = 40) -> list[str]:
+    """``n`` plain words ``w0 .. w{n-1}`` for a tiny vocabulary."""
+    return [f"w{i}" for i in range(n)]
+
+
+def build_tiny_tokenizer(
+    words: list[str] | None = None,
+    *,
+    pad_equals_eos: bool = False,
+    padding_side: str = "left",
+    chat_template: str | None = TINY_CHAT_TEMPLATE,
+) -> PreTrainedTokenizerFast:
+    """A whitespace WordLevel tokenizer over ``SPECIAL_TOKENS + words``.
+
+    Args:
+        words: the ordinary vocabulary (default ``default_words()``).
+        pad_equals_eos: use ``<eos>`` as the pad token (a common real-world setup that
+            TRL's PPO mishandles); otherwise ``<pad>`` (id 0) is the pad token.
+        padding_side: ``"left"`` (generation-friendly) or ``"right"``.
+        chat_template: Jinja chat template, or None for a tokenizer without one.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = list(words) if words is not None else default_words()
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<eos>" if pad_equals_eos else "<pad>",
+        padding_side=padding_side,
+    )
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def tiny_llama_config(tokenizer, *, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
+                      intermediate_size: int | None = None, max_position_embeddings: int = 256,
+                      **overrides) -> LlamaConfig:
+    """A ``LlamaConfig`` sized for tests; ids (pad/bos/eos) follow ``tokenizer``."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+
+
+def build_tiny_causal_lm(tokenizer, seed: int = 0, **config_kwargs) -> LlamaForCausalLM:
+    """Random-init tiny Llama causal LM (fp32), reproducible from ``seed``."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(tokenizer, **config_kwargs))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def build_tiny_scorer(tokenizer, seed: int = 1, **config_kwargs) -> LlamaForSequenceClassification:
+    """Random-init tiny Llama with a scalar head (``num_labels=1``): a reward or value model."""
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(tiny_llama_config(tokenizer, num_labels=1, **config_kwargs))
