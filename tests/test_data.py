@@ -1,0 +1,188 @@
+"""render_prompts: the ids written by hand from the tiny vocabulary, the drops, the errors.
+
+The tiny tokenizer's ids (``trl_ppo_ext.tiny``): <pad>=0 <unk>=1 <bos>=2 <eos>=3 <user>=4
+<assistant>=5, then w0=6, w1=7, ... (w_i = 6 + i). Its chat template renders a user turn as
+``<user> TEXT <eos>``, an assistant turn as ``<assistant> TEXT <eos>``, and the generation
+prompt as ``<assistant>``.
+"""
+
+import logging
+
+import pytest
+from datasets import Dataset
+from tokenizers import processors
+
+from trl_ppo_ext.data import RenderInfo, _template_ids, render_prompts
+from trl_ppo_ext.tiny import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
+
+USER, ASSISTANT, EOS, BOS = 4, 5, 3, 2
+W0, W1, W2, W3, W4, W5 = 6, 7, 8, 9, 10, 11
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def ids(dataset):
+    return [list(row) for row in dataset["input_ids"]]
+
+
+def test_string_prompt_column_is_wrapped_as_a_user_turn(tok):
+    ds = Dataset.from_dict({"prompt": ["w0 w1", "w5"], "label": [1, 2]})
+    out, info = render_prompts(ds, tok)
+    # "<user> w0 w1 <eos> <assistant>" and "<user> w5 <eos> <assistant>"
+    assert ids(out) == [[USER, W0, W1, EOS, ASSISTANT], [USER, W5, EOS, ASSISTANT]]
+    assert out.column_names == ["input_ids"]
+    assert info == RenderInfo("prompt", conversational=False, used_chat_template=True,
+                              max_prompt_tokens=None, num_prompts=2, num_empty=0, num_too_long=0)
+
+
+def test_string_prompt_without_template_when_turned_off(tok):
+    ds = Dataset.from_dict({"prompt": ["w0 w1"]})
+    out, info = render_prompts(ds, tok, use_chat_template=False)
+    assert ids(out) == [[W0, W1]]  # the tiny tokenizer adds no special tokens of its own
+    assert not info.used_chat_template
+
+
+def test_messages_column_multi_turn(tok):
+    conv = [user("w2"), assistant("w3"), user("w4")]
+    out, info = render_prompts(Dataset.from_dict({"messages": [conv]}), tok)
+    # <user> w2 <eos> <assistant> w3 <eos> <user> w4 <eos> <assistant>
+    assert ids(out) == [[USER, W2, EOS, ASSISTANT, W3, EOS, USER, W4, EOS, ASSISTANT]]
+    assert info.prompt_column == "messages" and info.conversational
+
+
+def test_final_assistant_turn_is_dropped(tok):
+    conv = [user("w2"), assistant("w3")]  # an SFT-style row: the answer is in the data
+    out, _ = render_prompts(Dataset.from_dict({"messages": [conv]}), tok)
+    assert ids(out) == [[USER, W2, EOS, ASSISTANT]]  # the policy must write "w3" itself
+
+
+def test_conversational_prompt_column(tok):
+    ds = Dataset.from_dict({"prompt": [[user("w0")], [user("w1 w2")]], "chosen": ["x", "y"]})
+    out, info = render_prompts(ds, tok)
+    assert ids(out) == [[USER, W0, EOS, ASSISTANT], [USER, W1, W2, EOS, ASSISTANT]]
+    assert out.column_names == ["input_ids"]
+    assert info.prompt_column == "prompt" and info.conversational
+
+
+def test_prompt_column_argument_picks_another_column(tok):
+    ds = Dataset.from_dict({"question": ["w3"], "prompt": ["w4"]})
+    out, info = render_prompts(ds, tok, prompt_column="question")
+    assert ids(out) == [[USER, W3, EOS, ASSISTANT]]
+    assert info.prompt_column == "question"
+
+
+def test_special_tokens_are_not_added_twice():
+    # A tokenizer whose backend adds BOS, with a template that writes BOS itself.
+    tok = build_tiny_tokenizer(chat_template="{{ bos_token }} " + TINY_CHAT_TEMPLATE)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", BOS)]
+    )
+    ds = Dataset.from_dict({"prompt": ["w0", "<bos> w1"]})
+    templated, _ = render_prompts(ds, tok)
+    assert ids(templated) == [[BOS, USER, W0, EOS, ASSISTANT], [BOS, USER, BOS, W1, EOS, ASSISTANT]]
+    raw, _ = render_prompts(ds, tok, use_chat_template=False)
+    assert ids(raw) == [[BOS, W0], [BOS, W1]]  # added to the first, already there in the second
+
+
+def test_template_output_as_a_plain_list():
+    class ListTokenizer:  # transformers 4 returns a list from apply_chat_template(tokenize=True)
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return [4, 6, 3, 5]
+
+    assert _template_ids(ListTokenizer(), [user("w0")]) == [4, 6, 3, 5]
+
+
+def test_too_long_and_empty_prompts_are_dropped_and_counted(tok, caplog):
+    # max_length 8 - response_length 3 = 5 prompt tokens at most.
+    ds = Dataset.from_dict({"prompt": ["w0", "w0 w1", "w0 w1 w2", "  ", "w3 w4 w5 w0"]})
+    # rendered lengths: 4, 5, 6, (empty), 7
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.data"):
+        out, info = render_prompts(ds, tok, response_length=3, max_length=8)
+    assert ids(out) == [[USER, W0, EOS, ASSISTANT], [USER, W0, W1, EOS, ASSISTANT]]
+    assert (info.num_prompts, info.num_empty, info.num_too_long, info.num_kept) == (5, 1, 2, 2)
+    assert info.max_prompt_tokens == 5
+    assert "dropped 3 of 5 prompts" in caplog.text and "1 empty, 2 longer than 5 tokens" in caplog.text
+
+
+def test_max_prompt_length_is_the_tighter_limit(tok):
+    ds = Dataset.from_dict({"prompt": ["w0", "w0 w1"]})  # 4 and 5 tokens
+    out, info = render_prompts(ds, tok, max_prompt_length=4, response_length=3, max_length=100)
+    assert ids(out) == [[USER, W0, EOS, ASSISTANT]]
+    assert (info.max_prompt_tokens, info.num_too_long) == (4, 1)
+
+
+def test_empty_conversation_is_dropped(tok):
+    ds = Dataset.from_dict({"messages": [[user("w0")], [assistant("w1")], [user("")]]})
+    out, info = render_prompts(ds, tok)
+    assert ids(out) == [[USER, W0, EOS, ASSISTANT]]
+    assert info.num_empty == 2  # only an answer to drop; an empty user turn
+
+
+def test_no_warning_when_nothing_is_dropped(tok, caplog):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.data"):
+        render_prompts(Dataset.from_dict({"prompt": ["w0"]}), tok, response_length=2, max_length=16)
+    assert caplog.text == ""
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+def test_error_no_prompt_column_lists_columns(tok):
+    ds = Dataset.from_dict({"question": ["w0"], "answer": ["w1"]})
+    with pytest.raises(ValueError, match=r"no prompt column.*\['question', 'answer'\].*prompt_column"):
+        render_prompts(ds, tok)
+
+
+def test_error_unknown_prompt_column(tok):
+    with pytest.raises(ValueError, match=r"prompt_column='text'.*columns: \['prompt'\]"):
+        render_prompts(Dataset.from_dict({"prompt": ["w0"]}), tok, prompt_column="text")
+
+
+def test_error_column_of_the_wrong_type(tok):
+    with pytest.raises(ValueError, match=r"column 'prompt' holds a value of type int"):
+        render_prompts(Dataset.from_dict({"prompt": [3]}), tok)
+
+
+def test_error_conversations_without_chat_template():
+    tok = build_tiny_tokenizer(chat_template=None)
+    ds = Dataset.from_dict({"messages": [[user("w0")]]})
+    with pytest.raises(ValueError, match=r"'messages' holds conversations.*no chat template.*chat_template"):
+        render_prompts(ds, tok)
+
+
+def test_error_chat_template_requested_but_missing():
+    tok = build_tiny_tokenizer(chat_template=None)
+    ds = Dataset.from_dict({"prompt": ["w0"]})
+    with pytest.raises(ValueError, match=r"use_chat_template=True.*no chat template"):
+        render_prompts(ds, tok, use_chat_template=True)
+    out, info = render_prompts(ds, tok)  # auto: no template, strings are tokenised raw
+    assert ids(out) == [[W0]] and not info.used_chat_template
+
+
+@pytest.mark.parametrize("response_length, max_length", [(8, 8), (9, 8)])
+def test_error_response_length_not_below_max_length(tok, response_length, max_length):
+    ds = Dataset.from_dict({"prompt": ["w0"]})
+    with pytest.raises(ValueError, match=rf"response_length={response_length} >= max_length={max_length}"):
+        render_prompts(ds, tok, response_length=response_length, max_length=max_length)
+
+
+def test_error_all_prompts_dropped(tok):
+    ds = Dataset.from_dict({"prompt": ["w0 w1", "w2 w3 w4"]})  # 5 and 6 tokens
+    with pytest.raises(ValueError, match=r"dropped 2 of 2 prompts.*0 empty, 2 longer than 3 tokens.*No prompt"):
+        render_prompts(ds, tok, response_length=5, max_length=8)
+
+
+def test_error_empty_dataset(tok):
+    with pytest.raises(ValueError, match="0 rows"):
+        render_prompts(Dataset.from_dict({"prompt": []}), tok)

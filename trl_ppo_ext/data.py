@@ -1,0 +1,273 @@
+"""Prompt datasets for PPO: render with the tokenizer's own chat template, tokenise, filter.
+
+PPO generates the answer itself, so a prompt dataset only needs the token ids of each
+prompt, ending where the model should start writing. ``render_prompts`` turns the usual
+dataset shapes into that:
+
+- a ``prompt`` column of plain strings (``"What color is the sky?"``);
+- a ``prompt`` or ``messages`` column holding a conversation, a list of
+  ``{"role": ..., "content": ...}`` dicts.
+
+Conversations are rendered with ``tokenizer.apply_chat_template(..., add_generation_prompt
+=True)``, so the ids end with the template's "assistant, your turn" marker. Prompts that
+would leave no room for ``response_length`` generated tokens within the model's
+``max_length`` positions are dropped, never truncated: cutting a rendered chat prompt would
+cut off the generation prompt that tells the model to answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from datasets import Dataset
+
+logger = logging.getLogger(__name__)
+
+# Columns searched, in order, when ``prompt_column`` is not given. ``prompt`` first: it is
+# TRL's name for "what the model is asked"; ``messages`` is a whole chat.
+PROMPT_COLUMNS = ("prompt", "messages")
+
+
+@dataclass(frozen=True)
+class RenderInfo:
+    """What ``render_prompts`` did: where prompts came from and how many were dropped."""
+
+    prompt_column: str  # the column the prompts were read from
+    conversational: bool  # True: the column held conversations (lists of messages)
+    used_chat_template: bool  # True: rendered with the tokenizer's chat template
+    max_prompt_tokens: int | None  # longest prompt kept, in tokens (None: no limit)
+    num_prompts: int  # rows in the input dataset
+    num_empty: int  # rows dropped: no text to answer
+    num_too_long: int  # rows dropped: longer than ``max_prompt_tokens``
+
+    @property
+    def num_kept(self) -> int:
+        return self.num_prompts - self.num_dropped
+
+    @property
+    def num_dropped(self) -> int:
+        return self.num_empty + self.num_too_long
+
+
+def render_prompts(
+    dataset: Dataset,
+    tokenizer,
+    *,
+    prompt_column: str | None = None,
+    use_chat_template: bool | None = None,
+    max_prompt_length: int | None = None,
+    response_length: int | None = None,
+    max_length: int | None = None,
+    num_proc: int | None = None,
+) -> tuple[Dataset, RenderInfo]:
+    """Tokenise a prompt dataset for PPO; drop empty prompts and those that do not fit.
+
+    Rendering rules:
+
+    - A conversation (list of ``{"role", "content"}`` dicts) is rendered with the
+      tokenizer's chat template and ``add_generation_prompt=True``. If it ends with an
+      assistant turn, that last turn is dropped first: it is the answer the policy must
+      write itself (preference and SFT datasets often keep it in ``messages``).
+    - A plain string is, by default (``use_chat_template=None``), wrapped as one user
+      message and rendered the same way when the tokenizer has a chat template: a chat
+      model asked a bare string without its template sees text unlike its training data.
+      ``use_chat_template=False`` tokenises the string as it is.
+    - Special tokens are not added a second time: template output already holds them, so
+      it is tokenised with ``add_special_tokens=False``. A raw string gets the tokenizer's
+      special tokens (e.g. BOS) unless it already starts with the BOS token.
+
+    Args:
+        dataset: a ``datasets.Dataset`` with a prompt column (see ``prompt_column``).
+        tokenizer: a ``transformers`` tokenizer; it needs a ``chat_template`` for
+            conversations.
+        prompt_column: the column to read; default: the first of ``"prompt"``,
+            ``"messages"`` that the dataset has.
+        use_chat_template: True: always render with the chat template; False: only
+            conversations are (plain strings are tokenised raw); None (default): render
+            whenever the tokenizer has a template.
+        max_prompt_length: drop prompts with more tokens than this.
+        response_length: tokens the policy will generate after the prompt.
+        max_length: the model's maximum positions (``config.max_position_embeddings``);
+            prompts with more than ``max_length - response_length`` tokens are dropped.
+        num_proc: processes for ``Dataset.map``.
+
+    Returns:
+        ``(prompts, info)``: a ``Dataset`` with one column, ``input_ids`` (a list of
+        ints per row), in the input order minus dropped rows; and a ``RenderInfo`` with
+        the counts. A warning is logged when any row is dropped.
+
+    Raises:
+        ValueError: no usable prompt column; conversations without a chat template;
+            ``response_length >= max_length``; every prompt dropped.
+
+    Example:
+        >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+        >>> tok = build_tiny_tokenizer()  # <user>=4, <assistant>=5, <eos>=3, w0=6
+        >>> ds = Dataset.from_dict({"prompt": ["w0 w1", ""]})
+        >>> prompts, info = render_prompts(ds, tok)
+        >>> list(prompts["input_ids"]), info.num_empty
+        ([[4, 6, 7, 3, 5]], 1)
+    """
+    column = _resolve_prompt_column(dataset, prompt_column)
+    if len(dataset) == 0:
+        raise ValueError("render_prompts: the dataset has 0 rows; pass a dataset with prompts.")
+    limit = _prompt_token_limit(max_prompt_length, response_length, max_length)
+    conversational = _is_conversation(dataset[0][column])
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if (conversational or use_chat_template) and not has_template:
+        what = "holds conversations" if conversational else "is to be rendered (use_chat_template=True)"
+        raise ValueError(
+            f"render_prompts: column {column!r} {what}, but the tokenizer "
+            f"({type(tokenizer).__name__}) has no chat template (tokenizer.chat_template is None). "
+            "Set tokenizer.chat_template to a Jinja template, or pass plain string prompts "
+            "with use_chat_template=False."
+        )
+    templated = conversational or (has_template and use_chat_template is not False)
+
+    encoded = dataset.map(
+        _encode_row,
+        fn_kwargs={"tokenizer": tokenizer, "column": column, "templated": templated},
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc="Rendering prompts",
+    )
+    info, keep = _count_and_select(encoded, column, conversational, templated, limit)
+    _report(info, max_prompt_length, response_length, max_length)
+    return encoded.select(keep).remove_columns(["_empty", "_length"]), info
+
+
+def _resolve_prompt_column(dataset: Dataset, prompt_column: str | None) -> str:
+    """The column holding prompts, or a ValueError that lists the columns there are."""
+    columns = list(dataset.column_names)
+    if prompt_column is not None:
+        if prompt_column not in columns:
+            raise ValueError(
+                f"render_prompts: prompt_column={prompt_column!r} is not a column of the dataset "
+                f"(columns: {columns}). Pass one of those columns as prompt_column."
+            )
+        return prompt_column
+    for name in PROMPT_COLUMNS:
+        if name in columns:
+            return name
+    raise ValueError(
+        f"render_prompts: the dataset has no prompt column; looked for {list(PROMPT_COLUMNS)} "
+        f"and found columns {columns}. Rename the prompt column "
+        "(dataset.rename_column(old, 'prompt')) or pass prompt_column=<name>."
+    )
+
+
+def _prompt_token_limit(max_prompt_length, response_length, max_length) -> int | None:
+    """Longest prompt, in tokens, that still leaves room for the response (None: no limit)."""
+    for name, value in (("max_prompt_length", max_prompt_length), ("response_length", response_length),
+                        ("max_length", max_length)):
+        if value is not None and value < 0:
+            raise ValueError(f"render_prompts: {name}={value} must be >= 0 (or None for no limit).")
+    limits = []
+    if max_prompt_length is not None:
+        limits.append(max_prompt_length)
+    if max_length is not None:
+        room = max_length - (response_length or 0)
+        if response_length is not None and room <= 0:
+            raise ValueError(
+                f"render_prompts: response_length={response_length} >= max_length={max_length} "
+                "leaves no position for the prompt. Lower response_length or use a model with "
+                "more positions (max_length = config.max_position_embeddings)."
+            )
+        limits.append(room)
+    return min(limits) if limits else None
+
+
+def _is_conversation(value) -> bool:
+    """True for a list of ``{"role", "content"}`` mappings (an empty list included)."""
+    return isinstance(value, list) and all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in value
+    )
+
+
+def _prompt_messages(conversation: list) -> list[dict]:
+    """The conversation up to the turn the policy must answer: a final assistant turn is dropped."""
+    messages = [dict(m) for m in conversation]
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return messages
+
+
+def _encode_row(row: dict, tokenizer, column: str, templated: bool) -> dict:
+    """``Dataset.map`` body: one row to ``input_ids`` plus the emptiness flag and length."""
+    value = row[column]
+    if _is_conversation(value):
+        messages = _prompt_messages(value)
+        empty = not any(str(m["content"] or "").strip() for m in messages)
+    elif isinstance(value, str):
+        messages = [{"role": "user", "content": value}] if templated else None
+        empty = not value.strip()
+    else:
+        raise ValueError(
+            f"render_prompts: column {column!r} holds a value of type {type(value).__name__} "
+            f"({value!r:.80}); "
+            "expected a string or a list of {'role', 'content'} messages. Pass the right "
+            "column as prompt_column."
+        )
+    if empty:
+        ids = []
+    elif messages is not None:
+        ids = _template_ids(tokenizer, messages)
+    else:
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = not (bos and value.startswith(bos))
+        ids = list(tokenizer(value, add_special_tokens=add_special)["input_ids"])
+    return {"input_ids": ids, "_empty": empty, "_length": len(ids)}
+
+
+def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat-template token ids of ``messages`` with the generation prompt appended.
+
+    ``apply_chat_template(tokenize=True)`` tokenises without adding special tokens again.
+    It returns a ``BatchEncoding`` in transformers 5 and a plain list in transformers 4.
+    """
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return [int(i) for i in out]
+
+
+def _count_and_select(encoded: Dataset, column, conversational, templated, limit):
+    """Count the drops and return ``(info, indices of kept rows)``."""
+    empty = [bool(e) for e in encoded["_empty"]]
+    lengths = [int(n) for n in encoded["_length"]]
+    too_long = [not e and limit is not None and n > limit for e, n in zip(empty, lengths)]
+    keep = [i for i, (e, t) in enumerate(zip(empty, too_long)) if not (e or t)]
+    info = RenderInfo(
+        prompt_column=column,
+        conversational=conversational,
+        used_chat_template=templated,
+        max_prompt_tokens=limit,
+        num_prompts=len(encoded),
+        num_empty=sum(empty),
+        num_too_long=sum(too_long),
+    )
+    return info, keep
+
+
+def _report(info: RenderInfo, max_prompt_length, response_length, max_length) -> None:
+    """Warn about dropped rows; raise when nothing is left."""
+    if info.num_dropped == 0:
+        return
+    message = (
+        f"render_prompts: dropped {info.num_dropped} of {info.num_prompts} prompts from column "
+        f"{info.prompt_column!r}: {info.num_empty} empty"
+    )
+    if info.max_prompt_tokens is not None:
+        message += (
+            f", {info.num_too_long} longer than {info.max_prompt_tokens} tokens "
+            f"(max_prompt_length={max_prompt_length}, max_length={max_length}, "
+            f"response_length={response_length})"
+        )
+    if info.num_kept == 0:
+        raise ValueError(
+            message + ". No prompt is left: raise max_length or max_prompt_length, lower "
+            "response_length, or check that the prompt column holds text."
+        )
+    logger.warning(message + ".")
