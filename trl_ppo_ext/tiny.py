@@ -70,10 +70,14 @@ def build_tiny_tokenizer(
 
 def tiny_llama_config(tokenizer, *, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
                       intermediate_size: int | None = None, max_position_embeddings: int = 256,
-                      **overrides) -> LlamaConfig:
-    """A ``LlamaConfig`` sized for tests; ids (pad/bos/eos) follow ``tokenizer``."""
+                      vocab_size: int | None = None, **overrides) -> LlamaConfig:
+    """A ``LlamaConfig`` sized for tests; ids (pad/bos/eos) follow ``tokenizer``.
+
+    ``vocab_size`` defaults to ``len(tokenizer)``; pass a larger value to leave room for
+    tokens added later (as real checkpoints do by padding their embedding matrix).
+    """
     return LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,

@@ -1,0 +1,268 @@
+"""End-to-end and phase-level tests of trl_ppo_ext.PPOTrainer on tiny local models (CPU)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import prompt_dataset, tiny_config, tiny_models
+from trl_ppo_ext import PPOConfig, PPOTrainer
+from trl_ppo_ext.rollout import Rollout
+from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+EXPECTED_METRICS = [
+    "objective/scores", "objective/non_score_reward", "objective/rlhf_reward", "objective/kl",
+    "objective/entropy", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+    "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/explained_variance", "val/ratio",
+    "val/ratio_max", "val/advantage_mean", "val/advantage_std", "val/response_length", "val/eos_rate",
+    "val/truncation_rate", "lr", "eps",
+]
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _changed(before: dict, module: nn.Module) -> list[str]:
+    return [k for k, v in module.state_dict().items() if not torch.equal(before[k], v)]
+
+
+def _assert_metrics(trainer, n_updates):
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == n_updates
+    for entry in logs:
+        missing = [k for k in EXPECTED_METRICS if k not in entry]
+        assert not missing, f"missing metrics {missing}"
+        bad = {k: entry[k] for k in EXPECTED_METRICS if not math.isfinite(entry[k])}
+        assert not bad, f"non-finite metrics {bad}"
+
+
+@pytest.mark.parametrize("pad_equals_eos,padding_side", [(False, "left"), (True, "left"), (True, "right")])
+def test_train_moves_policy_and_value_only(tmp_path, pad_equals_eos, padding_side):
+    tok = build_tiny_tokenizer(pad_equals_eos=pad_equals_eos, padding_side=padding_side)
+    policy, ref, value, reward = tiny_models(tok)
+    ref_before, rm_before = _snapshot(ref), _snapshot(reward)
+    policy_before, value_before = _snapshot(policy), _snapshot(value)
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+        train_dataset=prompt_dataset(tok), value_model=value,
+    )
+    trainer.train()
+    assert _changed(policy_before, policy), "policy weights did not move"
+    assert _changed(value_before, value), "value weights did not move"
+    assert not _changed(ref_before, ref), "reference model changed"
+    assert not _changed(rm_before, reward), "reward model changed"
+    _assert_metrics(trainer, n_updates=2)
+
+
+def test_train_with_peft_config_and_no_ref_model(tmp_path):
+    from peft import LoraConfig
+
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, _, value, reward = tiny_models(tok)
+    base_before = _snapshot(policy)
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=None, reward_model=reward,
+        train_dataset=prompt_dataset(tok), value_model=value,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    assert trainer.ref_model is None  # the reference is the policy with its adapter disabled
+    lora_before = {k: v.clone() for k, v in trainer.policy_model.named_parameters() if "lora_B" in k}
+    trainer.train()
+    moved = [k for k, v in trainer.policy_model.named_parameters() if "lora_B" in k and not torch.equal(v, lora_before[k])]
+    assert moved, "LoRA weights did not move"
+    base_now = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                for k, v in trainer.policy_model.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base_before[k], base_now[k]) for k in base_before), "base weights changed under LoRA"
+    _assert_metrics(trainer, n_updates=2)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "adapter_config.json").exists()
+
+
+class _RecordFirstRatio(PPOTrainer):
+    """Records the masked log-ratio of the very first micro-batch of the first update."""
+
+    first_log_ratio = None
+
+    def compute_loss_terms(self, mb, adv):
+        if self.first_log_ratio is None:
+            with torch.no_grad():
+                inputs = __import__("trl_ppo_ext.rollout", fromlist=["x"]).sequence_inputs(
+                    mb.queries, mb.query_mask, mb.responses, mb.response_mask
+                )
+                new_logprobs, _ = self.policy_logprobs_and_values(self.model, mb, inputs)
+                type(self).first_log_ratio = (new_logprobs - mb.logprobs)[mb.response_mask]
+        return super().compute_loss_terms(mb, adv)
+
+
+def test_first_ratio_is_one(tmp_path):
+    """Old log-probs come from the same forward as the update's: ratio = 1 within 1e-5 (fp32)."""
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok)
+    trainer = _RecordFirstRatio(
+        args=tiny_config(tmp_path, total_episodes=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         local_rollout_forward_batch_size=3),
+        processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+        train_dataset=prompt_dataset(tok), value_model=value,
+    )
+    trainer.train()
+    log_ratio = _RecordFirstRatio.first_log_ratio
+    assert log_ratio.numel() > 0
+    assert torch.exp(log_ratio).sub(1).abs().max().item() < 1e-5
+
+
+class _ScoreIsReadToken(nn.Module):
+    """A stub reward model whose score is the id of the token it reads (one-hot hidden states)."""
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.config = SimpleNamespace(num_labels=1)
+        emb = nn.Embedding(vocab_size, vocab_size)
+        emb.weight.data = torch.eye(vocab_size)
+        self.embed = emb
+        self.score = nn.Linear(vocab_size, 1, bias=False)
+        self.score.weight.data = torch.arange(vocab_size, dtype=torch.float32)[None]
+
+    def backbone(self, input_ids, **kwargs):
+        return SimpleNamespace(last_hidden_state=self.embed(input_ids))
+
+
+def test_reward_is_read_at_the_eos_not_the_first_pad():
+    """pad == eos: the RM must read the terminal EOS (TRL reads one position late, or stops short)."""
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    eos, w = tok.eos_token_id, tok.convert_tokens_to_ids
+    queries = torch.tensor([[eos, w("w1"), w("w2")], [w("w3"), w("w4"), w("w5")]])  # row 0 left padded with eos
+    query_mask = torch.tensor([[False, True, True], [True, True, True]])
+    responses = torch.tensor([[w("w6"), eos, eos, eos], [w("w7"), w("w8"), w("w9"), w("w10")]])
+    response_mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    part = SimpleNamespace(queries=queries, response_mask=response_mask)
+    fake_self = SimpleNamespace(reward_model=_ScoreIsReadToken(len(tok)))
+    from trl_ppo_ext.rollout import sequence_inputs
+
+    inputs = sequence_inputs(queries, query_mask, responses, response_mask)
+    scores = PPOTrainer.reward_scores(fake_self, part, inputs)
+    # row 0 reads its EOS (response index 1); row 1 (truncated) reads its last generated token w10
+    assert scores.tolist() == [float(eos), float(w("w10"))]
+
+
+def test_loss_ignores_everything_outside_the_response_mask():
+    """Gradients of the PPO loss w.r.t. logits and values are exactly 0 off the response mask."""
+    B, P, T, V = 2, 2, 4, 5
+    torch.manual_seed(0)
+
+    class StubModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logits = nn.Parameter(torch.randn(B, P + T, V))
+            self.values = nn.Parameter(torch.randn(B, P + T))
+
+        def forward(self, **kwargs):
+            return self.logits, self.values
+
+    model = StubModel()
+    response_mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    mb = Rollout(
+        queries=torch.ones(B, P, dtype=torch.long), query_mask=torch.ones(B, P, dtype=torch.bool),
+        responses=torch.randint(0, V, (B, T)), response_mask=response_mask,
+        logprobs=torch.randn(B, T).masked_fill(~response_mask, 0), ref_logprobs=torch.zeros(B, T),
+        values=torch.randn(B, T), scores=torch.zeros(B), has_stop=torch.tensor([True, False]),
+    )
+    adv = SimpleNamespace(advantages=torch.randn(B, T), returns=torch.randn(B, T))
+    args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01)
+    loss, stats = PPOTrainer.compute_loss_terms(SimpleNamespace(model=model, args=args), mb, adv)
+    loss.backward()
+    # response token t is predicted at position P - 1 + t; positions predicting masked tokens get no gradient
+    predicting = torch.zeros(B, P + T, dtype=torch.bool)
+    predicting[:, P - 1 : P - 1 + T] = response_mask
+    assert torch.all(model.logits.grad[~predicting] == 0)
+    assert torch.all(model.values.grad[~predicting] == 0)
+    assert model.values.grad[predicting].abs().sum() > 0
+    assert all(torch.isfinite(v).all() for v in stats.values())
+
+
+def test_missing_eos_penalty_uses_the_configured_stop_token():
+    from trl_ppo_ext.rollout import finalize_responses
+
+    tok = build_tiny_tokenizer()
+    stop, eos, w = tok.convert_tokens_to_ids("w0"), tok.eos_token_id, tok.convert_tokens_to_ids
+    raw = torch.tensor([[w("w5"), stop, w("w6")], [w("w5"), eos, w("w6")]])
+    responses, mask, has_stop = finalize_responses(raw, stop, tok.pad_token_id, eos)
+    assert has_stop.tolist() == [True, False]  # row 1 has the EOS but not the configured stop token
+    assert mask.tolist() == [[True, True, False], [True, True, True]]
+    assert responses[0, 2].item() == tok.pad_token_id
+    rollout = Rollout(
+        queries=torch.ones(2, 1, dtype=torch.long), query_mask=torch.ones(2, 1, dtype=torch.bool),
+        responses=responses, response_mask=mask, logprobs=torch.zeros(2, 3), ref_logprobs=torch.zeros(2, 3),
+        values=torch.zeros(2, 3), scores=torch.tensor([1.0, 1.0]), has_stop=has_stop,
+    )
+    args = SimpleNamespace(missing_eos_penalty=0.5, kl_estimator="k1", kl_coef=0.1, whiten_rewards=False,
+                           gamma=1.0, lam=1.0, whiten_advantages=False)
+    adv = PPOTrainer.compute_advantages(SimpleNamespace(args=args), rollout)
+    assert adv.scores.tolist() == [1.0, 0.5]
+    # score lands on the last valid token: index 1 (the stop token) for row 0, index 2 for row 1
+    assert adv.rewards.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.5]]
+
+
+# ---------------------------------------------------------------- bad input
+def _build(tmp_path, tok=None, dataset=None, **config_overrides):
+    tok = tok or build_tiny_tokenizer()
+    policy, ref, value, reward = tiny_models(tok)
+    return PPOTrainer(
+        args=tiny_config(tmp_path, **config_overrides), processing_class=tok, model=policy, ref_model=ref,
+        reward_model=reward, train_dataset=dataset if dataset is not None else prompt_dataset(tok), value_model=value,
+    )
+
+
+def test_error_dataset_without_input_ids(tmp_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"no `input_ids` column \(columns: \['prompt'\]\)"):
+        _build(tmp_path, dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+
+
+def test_error_tokenizer_without_pad_token(tmp_path):
+    tok = build_tiny_tokenizer()
+    tok.pad_token = None
+    with pytest.raises(ValueError, match=r"no pad token.*tokenizer.pad_token = tokenizer.eos_token"):
+        _build(tmp_path, tok=tok)
+
+
+def test_error_unknown_kl_estimator(tmp_path):
+    with pytest.raises(ValueError, match=r"kl_estimator must be one of \['k1', 'k2', 'k3'\], got 'k4'"):
+        tiny_config(tmp_path, kl_estimator="k4")
+
+
+def test_error_stop_token_and_stop_token_id(tmp_path):
+    with pytest.raises(ValueError, match=r"stop_token='eos' and stop_token_id=3 are both set"):
+        tiny_config(tmp_path, stop_token="eos", stop_token_id=3)
+
+
+def test_error_batch_sizes_that_do_not_divide(tmp_path):
+    with pytest.raises(ValueError, match=r"multiple of num_mini_batches: 4 is not divisible by 3"):
+        _build(tmp_path, num_mini_batches=3)
+    with pytest.raises(ValueError, match=r"multiple of per_device_train_batch_size.*: 2 is not divisible by 4"):
+        _build(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=4)
+
+
+def test_error_dataset_smaller_than_a_batch(tmp_path):
+    tok = build_tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"has 2 prompts, fewer than one rollout batch"):
+        _build(tmp_path, tok=tok, dataset=prompt_dataset(tok, n=2))
+
+
+def test_trl_config_is_accepted(tmp_path):
+    """A TRL PPOConfig passed to our trainer gets our fields' defaults."""
+    from trl_ppo_ext._compat import TRLPPOConfig
+
+    trl_args = TRLPPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], total_episodes=4,
+                            per_device_train_batch_size=4, num_sample_generations=0)
+    tok = build_tiny_tokenizer()
+    policy, ref, value, reward = tiny_models(tok)
+    trainer = PPOTrainer(args=trl_args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                         train_dataset=prompt_dataset(tok), value_model=value)
+    assert isinstance(trainer.args, PPOConfig)
+    assert trainer.args.entropy_coef == 0.0 and trainer.args.whiten_advantages is True

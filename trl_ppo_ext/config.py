@@ -1,0 +1,104 @@
+"""``PPOConfig``: TRL's PPO config plus the fields our trainer adds.
+
+Defaults equal TRL's, so a script that only swaps the import behaves the same apart from
+the fixes listed in the README. Readable by ``HfArgumentParser`` like every TRL config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ._compat import TRLPPOConfig
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _bf16_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@dataclass
+class PPOConfig(TRLPPOConfig):
+    r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig`` plus:
+
+    Parameters:
+        entropy_coef (`float`, defaults to `0.0`):
+            Weight of the entropy bonus: the loss is
+            ``policy_loss + vf_coef * value_loss - entropy_coef * entropy``.
+        kl_estimator (`"k1"`, `"k2"` or `"k3"`, defaults to `"k1"`):
+            Per-token KL estimator used in the shaped reward, with ``logr = log pi_ref - log pi``:
+            k1 = ``-logr`` (unbiased), k2 = ``logr**2 / 2``, k3 = ``exp(logr) - 1 - logr``
+            (unbiased, lower variance). See http://joschu.net/blog/kl-approx.html.
+        whiten_advantages (`bool`, defaults to `True`):
+            Whiten advantages over the valid tokens of the whole rollout batch, with statistics
+            shared by all processes.
+        bf16 (`bool` or `None`, defaults to `None`):
+            As in TRL, except that unset means "bf16 where the hardware supports it" (TRL sets
+            True and then fails to start on a CPU-only machine).
+        cliprange_value (`float` or `None`, defaults to `0.2`):
+            Clip range of the value loss around the rollout's values; ``None`` disables
+            value clipping (on the command line, where argparse cannot parse ``None``, pass
+            ``--cliprange_value inf``: clipping to +-inf is no clipping).
+    """
+
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={"help": "Entropy bonus weight: loss = policy_loss + vf_coef * value_loss - entropy_coef * entropy."},
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k1",
+        metadata={
+            "help": "Per-token KL estimator in the shaped reward, logr = log pi_ref - log pi: 'k1' = -logr "
+            "(unbiased), 'k2' = logr^2/2, 'k3' = exp(logr) - 1 - logr (unbiased, lower variance). "
+            "See http://joschu.net/blog/kl-approx.html."
+        },
+    )
+    whiten_advantages: bool = field(
+        default=True,
+        metadata={"help": "Whiten advantages over the valid tokens of the rollout batch (global statistics)."},
+    )
+    cliprange_value: float | None = field(
+        default=0.2,
+        metadata={"help": "Clip range of the value loss around the rollout values; None (or inf on the command line) "
+            "disables value clipping."},
+    )
+
+    def __post_init__(self):
+        # TRL turns an unset `bf16` into True, and transformers then refuses to start on a
+        # machine without bf16 support ("Your setup doesn't support bf16/gpu"). Unset means
+        # "bf16 where the hardware has it": True on a bf16-capable CUDA device, else False.
+        if self.bf16 is None and not self.fp16 and not _bf16_available():
+            self.bf16 = False
+        super().__post_init__()
+        self._check_ppo_fields()
+
+    def _check_ppo_fields(self) -> None:
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"PPOConfig.kl_estimator must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}. "
+                "Use 'k1' (TRL's default) unless you have a reason to prefer k2/k3."
+            )
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ValueError(
+                f"PPOConfig.stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id!r} are both set; "
+                "they are mutually exclusive. Set stop_token='eos' to stop at the tokenizer's EOS, or "
+                "stop_token_id=<id> for another token, not both."
+            )
+        if self.stop_token is not None and self.stop_token != "eos":
+            raise ValueError(f"PPOConfig.stop_token must be 'eos' or None, got {self.stop_token!r}.")
+        for name in ("num_mini_batches", "num_ppo_epochs", "local_rollout_forward_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.response_length < 1:
+            raise ValueError(
+                f"PPOConfig.response_length must be >= 1 (number of tokens to generate), got {self.response_length}."
+            )
+        if self.cliprange_value is not None and self.cliprange_value <= 0:
+            raise ValueError(
+                f"PPOConfig.cliprange_value must be > 0 or None (no value clipping), got {self.cliprange_value}."
+            )
+        if self.entropy_coef < 0:
+            raise ValueError(f"PPOConfig.entropy_coef must be >= 0, got {self.entropy_coef}.")

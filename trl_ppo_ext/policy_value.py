@@ -1,0 +1,104 @@
+"""Forward passes the trainer needs from its models, for separate and shared set-ups.
+
+Every function takes explicit ``attention_mask`` and ``position_ids``: the masks come from
+the collator's prompt mask and the response mask, never from comparing ids with the pad id
+(with pad == EOS that would hide real EOS tokens).
+
+Notation: ``B`` sequences, ``L`` = prompt + response positions, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def backbone_hidden(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """Final hidden states of a ``*ForSequenceClassification``-style model's backbone.
+
+    Args:
+        model: a model with ``base_model_prefix`` naming its backbone (as every transformers
+            model has) and a ``score`` head.
+        input_ids, attention_mask, position_ids: ``(B, L)``.
+    Returns:
+        ``(B, L, H)`` last hidden state.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        return_dict=True,
+    )
+    return out.last_hidden_state
+
+
+def scalar_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Apply a scalar head (``model.score``) to hidden states ``(..., H)`` -> ``(...)`` float32."""
+    head = getattr(model, "score", None)
+    if head is None:
+        raise ValueError(
+            f"{type(model).__name__} has no `score` head. The reward and value models must be "
+            "AutoModelForSequenceClassification models with num_labels=1."
+        )
+    out = head(hidden.to(head.weight.dtype) if hasattr(head, "weight") else hidden)
+    if out.shape[-1] != 1:
+        raise ValueError(
+            f"{type(model).__name__}.score returns {out.shape[-1]} labels; PPO needs a scalar reward/value "
+            "head. Load the model with num_labels=1."
+        )
+    return out.squeeze(-1).float()
+
+
+@torch.no_grad()
+def score_at(model: nn.Module, input_ids, attention_mask, position_ids, index: torch.Tensor) -> torch.Tensor:
+    """Reward model score read at one position per sequence.
+
+    Args:
+        input_ids, attention_mask, position_ids: ``(B, L)``.
+        index: ``(B,)`` position to read, the last valid response token.
+    Returns:
+        ``(B,)`` float32 scores.
+    """
+    hidden = backbone_hidden(model, input_ids, attention_mask, position_ids)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return scalar_head(model, hidden[rows, index.to(hidden.device)])
+
+
+class PolicyAndValue(nn.Module):
+    """A policy causal LM and a separate value model behind one ``forward`` (TRL's set-up).
+
+    ``forward`` returns ``(logits (B, L, V), values (B, L))`` like ``SharedActorCritic``, so the
+    trainer treats both set-ups alike; here the two come from two backbones.
+    """
+
+    is_actor_critic = False
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        logits = self.policy(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
+        hidden = backbone_hidden(self.value_model, input_ids, attention_mask, position_ids)
+        return logits, scalar_head(self.value_model, hidden)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        for m in (self.policy, self.value_model):
+            m.gradient_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_disable(self):
+        for m in (self.policy, self.value_model):
+            m.gradient_checkpointing_disable()

@@ -1,0 +1,710 @@
+"""``PPOTrainer``: TRL's PPO trainer with explicit token-level math and ``train()`` in phases.
+
+Same constructor as TRL's trainer. ``train()`` reads as
+
+    for each update:  rollout -> score -> advantages -> update -> log
+
+and each phase is a method a subclass may override (``generate_rollout``, ``score_rollout``,
+``compute_advantages``, ``ppo_update``/``compute_loss_terms``, ``log_update``). The math is
+in ``trl_ppo_ext.functional``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, TrainerControl, TrainerState
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+
+from . import functional as F
+from ._compat import TRLPPOConfig, TRLPPOTrainer, prepare_deepspeed, unwrap_model_for_generation
+from .config import PPOConfig
+from .policy_value import PolicyAndValue, score_at
+from .rollout import (
+    Rollout,
+    finalize_responses,
+    generate_responses,
+    left_pad,
+    response_logits,
+    sampling_config,
+    sequence_inputs,
+)
+
+
+
+@dataclass
+class OnlineTrainerState(TrainerState):
+    """``TrainerState`` plus the number of episodes (sampled responses) seen so far."""
+
+    episode: int = 0
+
+
+@dataclass
+class Advantages:
+    """What the advantage phase derives from a ``Rollout``. All ``(B, T)`` float32 unless noted;
+    every field is 0 where ``response_mask`` is False."""
+
+    scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
+    kl: torch.Tensor  # per-token KL estimate (the configured estimator)
+    non_score_rewards: torch.Tensor  # -kl_coef * kl
+    rewards: torch.Tensor  # shaped reward: non-score reward + score at the last valid token
+    advantages: torch.Tensor  # GAE advantages, whitened when `whiten_advantages`
+    returns: torch.Tensor  # value targets: raw advantages + old values
+    raw_advantage_mean: torch.Tensor  # () before whitening, for logging
+    raw_advantage_std: torch.Tensor  # () before whitening, for logging
+
+
+def _exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}. Adjust the batch-size settings so it divides.")
+    return a // b
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    # PPO's ratio compares two forwards of the same weights; dropout would make it noise.
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _as_our_config(args) -> PPOConfig:
+    """Accept TRL's own PPOConfig too: copy its values and add our fields' defaults."""
+    if isinstance(args, PPOConfig):
+        return args
+    if not isinstance(args, TRLPPOConfig):
+        raise TypeError(f"`args` must be a trl_ppo_ext.PPOConfig, got {type(args).__name__}.")
+    ours = object.__new__(PPOConfig)
+    ours.__dict__.update(args.__dict__)
+    for f in fields(PPOConfig):
+        if f.name not in ours.__dict__:
+            setattr(ours, f.name, f.default)
+    ours._check_ppo_fields()
+    return ours
+
+
+class PPOTrainer(TRLPPOTrainer):
+    """Drop-in replacement for TRL's ``PPOTrainer`` with correct token-level PPO math.
+
+    Args are TRL's: ``args`` (a ``PPOConfig``), ``processing_class`` (tokenizer with a pad
+    token), ``model`` (the policy, or a ``SharedActorCritic``), ``ref_model`` (``None``: the
+    disabled adapter for PEFT/shared models, else a frozen copy of the policy),
+    ``reward_model`` (sequence classifier, ``num_labels=1``), ``train_dataset`` (with
+    ``input_ids``), ``value_model`` (sequence classifier; ``None`` with a ``peft_config`` or a
+    ``SharedActorCritic`` builds/uses a shared-backbone value head), ``data_collator``,
+    ``eval_dataset``, ``optimizers``, ``callbacks``, ``peft_config``.
+    """
+
+    _tag_names = ["trl", "ppo", "trl-ppo-ext"]
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class,
+        model: nn.Module,
+        ref_model: nn.Module | None,
+        reward_model: nn.Module,
+        train_dataset,
+        value_model: nn.Module | None = None,
+        data_collator=None,
+        eval_dataset=None,
+        optimizers=(None, None),
+        callbacks=None,
+        peft_config=None,
+    ) -> None:
+        args = _as_our_config(args)
+        self.args = args
+        self.processing_class = processing_class
+        self._check_inputs(model, ref_model, reward_model, train_dataset, processing_class)
+        self.stop_token_id = self._resolve_stop_token(args, processing_class)
+        self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.train_dataset_len = len(train_dataset)
+
+        wrapper = self._build_policy_and_value(model, value_model, peft_config)
+        self.reward_model = reward_model
+        self.ref_model = self._build_reference(model, ref_model)
+        for m in (wrapper, self.ref_model, self.reward_model):
+            if m is not None:
+                _disable_dropout(m)
+
+        self._setup_batch_sizes(args)
+        self.model = wrapper
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = None
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+        self._setup_callbacks_and_state(callbacks)
+        self._setup_dataloaders()
+        self._place_frozen_models()
+
+    # ------------------------------------------------------------------ set-up
+    def _check_inputs(self, model, ref_model, reward_model, train_dataset, processing_class) -> None:
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: a dataset of tokenized prompts with an `input_ids` column.")
+        columns = getattr(train_dataset, "column_names", None)
+        if columns is None and len(train_dataset) > 0:
+            columns = list(train_dataset[0].keys())
+        if columns is not None and "input_ids" not in columns:
+            raise ValueError(
+                f"`train_dataset` has no `input_ids` column (columns: {list(columns)}). Tokenize the prompts first, "
+                "e.g. `trl_ppo_ext.data.render_prompts(dataset, tokenizer)` or "
+                "`dataset.map(lambda x: tokenizer(x['prompt']))`."
+            )
+        if len(train_dataset) == 0:
+            raise ValueError("`train_dataset` is empty; PPO needs at least one batch of prompts.")
+        if getattr(processing_class, "pad_token_id", None) is None:
+            raise ValueError(
+                f"`processing_class` ({type(processing_class).__name__}) has no pad token (pad_token=None). Set one "
+                "before building the trainer, e.g. `tokenizer.pad_token = tokenizer.eos_token` or "
+                "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (then resize the embeddings)."
+            )
+        if ref_model is not None and ref_model is model:
+            raise ValueError(
+                "`model` and `ref_model` are the same object. Pass ref_model=None (a frozen copy is made, or the "
+                "disabled adapter is used with PEFT) or a separate copy."
+            )
+        if reward_model is None:
+            raise ValueError("`reward_model` is required: a sequence classifier with num_labels=1.")
+        num_labels = getattr(getattr(reward_model, "config", None), "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(
+                f"`reward_model` has num_labels={num_labels}; PPO needs a scalar score. Load it with "
+                "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
+            )
+
+    @staticmethod
+    def _resolve_stop_token(args, processing_class) -> int | None:
+        if args.stop_token == "eos":
+            return processing_class.eos_token_id
+        return args.stop_token_id
+
+    def _build_policy_and_value(self, model, value_model, peft_config) -> nn.Module:
+        """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
+        ``(logits, values)``: a ``SharedActorCritic`` or a ``PolicyAndValue`` pair."""
+        from peft import PeftModel, get_peft_model
+
+        if getattr(model, "is_actor_critic", False):
+            if value_model is not None:
+                raise ValueError(
+                    "`model` is a shared-backbone actor-critic, which has its own value head, and a separate "
+                    "`value_model` was passed too. Pass value_model=None, or pass a plain policy model."
+                )
+            if peft_config is not None:
+                raise ValueError(
+                    "`model` is a SharedActorCritic, which already carries its LoRA adapter, and `peft_config` was "
+                    "passed too. Pass peft_config=None (set LoRA options when building the actor-critic)."
+                )
+            wrapper = model
+        elif value_model is None:
+            from .modeling import SharedActorCritic
+
+            if peft_config is None and not isinstance(model, PeftModel):
+                raise ValueError(
+                    "value_model=None asks for a shared-backbone value head, which trains a LoRA adapter; pass "
+                    "`peft_config` (e.g. peft.LoraConfig(task_type='CAUSAL_LM')), or pass a `value_model`."
+                )
+            wrapper = SharedActorCritic(model, lora_config=peft_config)
+        else:
+            policy = model
+            if peft_config is not None:
+                if isinstance(model, PeftModel):
+                    raise ValueError(
+                        "`model` is already a PeftModel and `peft_config` was passed too. Merge and unload the "
+                        "existing adapter (model.merge_and_unload()) and pass the base model, or pass peft_config=None."
+                    )
+                policy = get_peft_model(model, peft_config)
+            wrapper = PolicyAndValue(policy, value_model)
+        self.policy_model = wrapper.policy
+        self.value_model = value_model if value_model is not None else wrapper
+        self.is_peft_model = isinstance(wrapper.policy, PeftModel)
+        self.model_adapter_name = self.args.model_adapter_name
+        self.ref_adapter_name = self.args.ref_adapter_name
+        return wrapper
+
+    def _build_reference(self, model, ref_model) -> nn.Module | None:
+        """``None`` means: the policy with its adapter disabled (see ``reference_context``)."""
+        if ref_model is not None:
+            ref = ref_model
+        elif self.is_peft_model:
+            return None
+        else:
+            ref = copy.deepcopy(self.policy_model)
+        ref.eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _setup_batch_sizes(self, args) -> None:
+        """TRL's batch arithmetic, with errors that say which setting to change."""
+        if args.total_episodes is None:
+            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
+        per_device = args.per_device_train_batch_size
+        args.local_batch_size = per_device * args.gradient_accumulation_steps
+        args.local_mini_batch_size = _exact_div(
+            args.local_batch_size, args.num_mini_batches,
+            "per_device_train_batch_size * gradient_accumulation_steps (the per-process rollout batch) must be a "
+            "multiple of num_mini_batches",
+        )
+        micro_steps = _exact_div(
+            args.local_mini_batch_size, per_device,
+            "the per-process mini-batch (rollout batch / num_mini_batches) must be a multiple of "
+            "per_device_train_batch_size; make gradient_accumulation_steps a multiple of num_mini_batches",
+        )
+        # One optimizer step per mini-batch: accumulate over its micro-batches.
+        self.accelerator = Accelerator(gradient_accumulation_steps=micro_steps)
+        args.world_size = self.accelerator.num_processes
+        args.micro_batch_size = per_device * args.world_size
+        args.batch_size = args.local_batch_size * args.world_size
+        args.mini_batch_size = args.local_mini_batch_size * args.world_size
+        if self.train_dataset_len < args.local_batch_size:
+            raise ValueError(
+                f"`train_dataset` has {self.train_dataset_len} prompts, fewer than one rollout batch "
+                f"(per_device_train_batch_size * gradient_accumulation_steps = {args.local_batch_size}). Add prompts "
+                "or lower the batch size."
+            )
+        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+        if args.num_total_batches < 1:
+            raise ValueError(f"total_episodes={args.total_episodes} gives no update; set total_episodes >= batch_size.")
+        self.local_seed = args.seed + self.accelerator.process_index * 100003
+        self.sample_generations_freq = max(1, args.num_total_batches // max(args.num_sample_generations, 1))
+        self.local_dataloader_batch_size = args.local_batch_size
+
+    def _setup_callbacks_and_state(self, callbacks) -> None:
+        report = get_reporting_integration_callbacks(self.args.report_to)
+        self.callbacks = DEFAULT_CALLBACKS + report + list(callbacks or [])
+        self.callback_handler = CallbackHandler(
+            self.callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
+        )
+        self.add_callback(PrinterCallback if self.args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        self.control = TrainerControl()
+        self.state = OnlineTrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=[
+                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
+            ],
+        )
+        # Attributes transformers.Trainer's save/log helpers read.
+        self.current_flos = 0
+        self.hp_search_backend = None
+        self._initial_num_input_tokens_seen = 0
+        self.is_distributed_loading_by_transformers = False
+        self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
+        self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
+        self.hub_model_id = None
+        if self.args.push_to_hub:
+            self.init_hf_repo()
+        if self.args.should_save:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+
+    def _setup_dataloaders(self) -> None:
+        self.dataloader = DataLoader(
+            self.train_dataset,
+            batch_size=self.local_dataloader_batch_size,
+            shuffle=True,
+            collate_fn=self.data_collator,
+            drop_last=True,  # every rollout batch has the same size
+        )
+        # Same shuffle on every process before `prepare` shards it, then per-process seeds.
+        torch.manual_seed(self.args.seed)
+        self.model, self.optimizer, self.dataloader = self.accelerator.prepare(
+            self.model, self.optimizer, self.dataloader
+        )
+        torch.manual_seed(self.local_seed)
+        self.eval_dataloader = None
+        if self.eval_dataset is not None:
+            self.eval_dataloader = self.accelerator.prepare(
+                DataLoader(
+                    self.eval_dataset,
+                    batch_size=self.args.per_device_eval_batch_size,
+                    collate_fn=self.data_collator,
+                    drop_last=False,
+                )
+            )
+        self.model_wrapped = self.model
+
+    def _place_frozen_models(self) -> None:
+        device = self.accelerator.device
+        if self.is_deepspeed_enabled:
+            self.reward_model = prepare_deepspeed(self.reward_model, self.accelerator)
+            if self.ref_model is not None:
+                self.ref_model = prepare_deepspeed(self.ref_model, self.accelerator)
+            return
+        self.reward_model = self.reward_model.to(device).eval()
+        if self.ref_model is not None:
+            self.ref_model = self.ref_model.to(device)
+
+    # ------------------------------------------------------------------ contexts
+    @property
+    def unwrapped(self) -> nn.Module:
+        """The policy/value module without DDP/DeepSpeed wrapping."""
+        return self.accelerator.unwrap_model(self.model)
+
+    @contextmanager
+    def null_ref_context(self):
+        """The policy as the reference: adapter disabled (or the named reference adapter)."""
+        policy = self.unwrapped.policy
+        if self.ref_adapter_name:
+            policy.set_adapter(self.ref_adapter_name)
+            try:
+                yield
+            finally:
+                policy.set_adapter(self.model_adapter_name or "default")
+            return
+        with policy.disable_adapter():
+            yield
+
+    # ------------------------------------------------------------------ phases
+    def train(self):
+        """Run ``num_total_batches`` PPO updates: rollout -> score -> advantages -> update -> log."""
+        self._begin_training()
+        batches = self._repeat_dataloader()
+        for update in range(1, self.args.num_total_batches + 1):
+            self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+            rollout = self.generate_rollout(next(batches))
+            rollout = self.score_rollout(rollout)
+            advantages = self.compute_advantages(rollout)
+            update_stats = self.ppo_update(rollout, advantages)
+            self.log_update(rollout, advantages, update_stats)
+            self._end_update(update)
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _begin_training(self) -> None:
+        args = self.args
+        self.model.train()
+        self.state.global_step = 0
+        self.state.episode = 0
+        self.state.max_steps = args.num_total_batches
+        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model
+        self._start_time = time.time()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+
+    def _repeat_dataloader(self):
+        while True:
+            yield from self.dataloader
+
+    def _prompt_tensors(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(queries, query_mask)`` left padded, from the collator's ids and attention mask."""
+        device = self.accelerator.device
+        ids = batch["input_ids"].to(device)
+        if "attention_mask" in batch:
+            mask = batch["attention_mask"].to(device).bool()
+        else:  # a custom collator without a mask: the only remaining signal is the pad id
+            mask = ids != self.processing_class.pad_token_id
+        if ids.shape[1] == 0 or not mask.any(dim=1).all():
+            raise ValueError("A batch holds an empty prompt; every prompt needs at least one token.")
+        return left_pad(ids, mask, self.processing_class.pad_token_id)
+
+    @torch.no_grad()
+    def generate_rollout(self, batch) -> Rollout:
+        """Sample responses to a batch of prompts with the current policy (scores left empty)."""
+        args, tok = self.args, self.processing_class
+        queries, query_mask = self._prompt_tensors(batch)
+        config = sampling_config(args, self.stop_token_id, tok.pad_token_id, args.temperature)
+        with unwrap_model_for_generation(
+            self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
+        ) as unwrapped:
+            raw = generate_responses(
+                unwrapped.policy, queries, query_mask, config, args.response_length,
+                tok.pad_token_id, args.local_rollout_forward_batch_size,
+            )
+        responses, mask, has_stop = finalize_responses(raw, self.stop_token_id, tok.pad_token_id, tok.eos_token_id)
+        empty = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        return Rollout(
+            queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
+            logprobs=empty, ref_logprobs=empty, values=empty,
+            scores=torch.zeros(mask.shape[0], device=mask.device), has_stop=has_stop,
+            policy_version=self.state.global_step,
+        )
+
+    @torch.no_grad()
+    def score_rollout(self, rollout: Rollout) -> Rollout:
+        """Old log-probs and values, reference log-probs and RM scores: once each, per chunk.
+
+        No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
+        """
+        parts = defaultdict(list)
+        chunk = self.args.local_rollout_forward_batch_size
+        for start in range(0, rollout.batch_size, chunk):
+            part = rollout.select(torch.arange(start, min(start + chunk, rollout.batch_size)))
+            inputs = sequence_inputs(part.queries, part.query_mask, part.responses, part.response_mask)
+            logprobs, values = self.policy_logprobs_and_values(self.unwrapped, part, inputs)
+            parts["logprobs"].append(logprobs)
+            parts["values"].append(values)
+            parts["ref_logprobs"].append(self.reference_logprobs(part, inputs))
+            parts["scores"].append(self.reward_scores(part, inputs))
+        mask = rollout.response_mask
+        out = {k: torch.cat(v).float() for k, v in parts.items()}
+        for k in ("logprobs", "ref_logprobs", "values"):
+            out[k] = out[k].masked_fill(~mask, 0.0)
+        return Rollout(**{**{f.name: getattr(rollout, f.name) for f in fields(rollout)}, **out})
+
+    def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``, from one forward of the policy/value module.
+
+        The rollout and the update call this same function, so the first PPO ratio is 1.
+        """
+        input_ids, attention_mask, position_ids = inputs
+        logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        P, T = part.queries.shape[1], part.responses.shape[1]
+        resp_logits = response_logits(logits, P, T, self.args.temperature)
+        return F.logprobs_from_logits(resp_logits, part.responses), values[:, P - 1 : P - 1 + T]
+
+    def reference_logprobs(self, part: Rollout, inputs) -> torch.Tensor:
+        """``log pi_ref(a_t|s_t)`` ``(b, T)``: a separate reference model or the disabled adapter."""
+        input_ids, attention_mask, position_ids = inputs
+        if self.ref_model is not None:
+            ref, context = self.ref_model, nullcontext()
+        else:
+            ref, context = self.unwrapped.policy, self.null_ref_context()
+        with context:
+            logits = ref(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).logits
+        P, T = part.queries.shape[1], part.responses.shape[1]
+        return F.logprobs_from_logits(response_logits(logits, P, T, self.args.temperature), part.responses)
+
+    def reward_scores(self, part: Rollout, inputs) -> torch.Tensor:
+        """Raw RM score ``(b,)`` read at the last valid response token (the EOS when present)."""
+        index = part.queries.shape[1] + F.last_valid_index(part.response_mask)
+        return score_at(self.reward_model, *inputs, index=index)
+
+    @torch.no_grad()
+    def compute_advantages(self, rollout: Rollout) -> Advantages:
+        """Shaped rewards -> masked GAE -> masked global whitening."""
+        args, mask = self.args, rollout.response_mask
+        scores = rollout.scores
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~rollout.has_stop).float()
+        kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
+        rewards, non_score = F.shaped_rewards(
+            rollout.logprobs, rollout.ref_logprobs, scores, mask, args.kl_coef, args.kl_estimator
+        )
+        if args.whiten_rewards:
+            rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
+        advantages, returns = F.masked_gae(rewards, rollout.values, mask, args.gamma, args.lam)
+        raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
+        if args.whiten_advantages:
+            advantages = F.masked_global_whiten(advantages, mask)
+        return Advantages(
+            scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
+            returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
+        )
+
+    def ppo_update(self, rollout: Rollout, adv: Advantages) -> dict[str, torch.Tensor]:
+        """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
+        per mini-batch. Returns per-micro-batch statistics stacked as ``(n,)`` tensors."""
+        args, accelerator = self.args, self.accelerator
+        stats = defaultdict(list)
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(rollout.batch_size, device=rollout.responses.device)
+            for mb_start in range(0, rollout.batch_size, args.local_mini_batch_size):
+                mini = order[mb_start : mb_start + args.local_mini_batch_size]
+                for mc_start in range(0, len(mini), args.per_device_train_batch_size):
+                    micro = mini[mc_start : mc_start + args.per_device_train_batch_size]
+                    with accelerator.accumulate(self.model):
+                        loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro))
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            micro_stats["grad_norm"] = self._clip_gradients()
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                    for k, v in micro_stats.items():
+                        stats[k].append(v)
+        return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
+
+    def _clip_gradients(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad.detach()) for p in params if p.grad is not None])
+            )
+        return torch.as_tensor(norm).detach().float()
+
+    def compute_loss_terms(self, mb: Rollout, adv: Advantages) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO loss on one micro-batch: clipped surrogate + vf_coef * clipped value loss
+        - entropy_coef * entropy, every term over ``response_mask`` only."""
+        args, mask = self.args, mb.response_mask
+        inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
+        input_ids, attention_mask, position_ids = inputs
+        logits, values = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        P, T = mb.queries.shape[1], mb.responses.shape[1]
+        resp_logits = response_logits(logits, P, T, args.temperature)
+        new_logprobs = F.logprobs_from_logits(resp_logits, mb.responses)
+        new_values = values[:, P - 1 : P - 1 + T].float()
+        log_ratio = (new_logprobs - mb.logprobs).masked_fill(~mask, 0.0)
+        ratio = torch.exp(log_ratio)
+        pg_loss, pg_clipfrac = F.masked_clipped_surrogate(ratio, adv.advantages, mask, args.cliprange)
+        vf_loss, vf_clipfrac = F.masked_clipped_value_loss(new_values, mb.values, adv.returns, mask, args.cliprange_value)
+        with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = F.masked_entropy(resp_logits, mask)
+        loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
+        with torch.no_grad():
+            stats = {
+                "pg_loss": pg_loss.detach(), "vf_loss": vf_loss.detach(), "pg_clipfrac": pg_clipfrac.detach(),
+                "vf_clipfrac": vf_clipfrac.detach(), "entropy": entropy.detach(),
+                "approxkl": 0.5 * F.masked_mean(log_ratio**2, mask),
+                "ratio_mean": F.masked_mean(ratio, mask),
+                "ratio_max": ratio.masked_fill(~mask, float("-inf")).max(),
+                "loss": loss.detach(),
+            }
+        return loss, stats
+
+    @torch.no_grad()
+    def log_update(self, rollout: Rollout, adv: Advantages, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Gather this update's statistics from every process (one transfer) and log them."""
+        mask = rollout.response_mask
+        lengths = mask.sum(1).float()
+        local = {
+            "objective/scores": rollout.scores.mean(),
+            "objective/non_score_reward": adv.non_score_rewards.sum(1).mean(),
+            "objective/rlhf_reward": adv.rewards.sum(1).mean(),
+            "objective/kl": adv.kl.sum(1).mean(),
+            "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
+            "policy/approxkl_avg": stats["approxkl"].mean(),
+            "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
+            "policy/entropy_avg": stats["entropy"].mean(),
+            "loss/policy_avg": stats["pg_loss"].mean(),
+            "loss/value_avg": stats["vf_loss"].mean(),
+            "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
+            "val/explained_variance": F.masked_explained_variance(rollout.values, adv.returns, mask),
+            "val/ratio": stats["ratio_mean"].mean(),
+            "val/ratio_var": stats["ratio_mean"].var(unbiased=False),
+            "val/advantage_mean": adv.raw_advantage_mean,
+            "val/advantage_std": adv.raw_advantage_std,
+            "val/response_length": lengths.mean(),
+            "val/eos_rate": rollout.has_stop.float().mean(),
+            "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
+            "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(0.0),
+        }
+        names = list(local)
+        values = torch.stack([local[k].float().to(self.accelerator.device) for k in names])
+        gathered = self.accelerator.gather(values[None]).reshape(-1, len(names)).mean(0)
+        ratio_max = self.accelerator.gather(stats["ratio_max"].max()[None].to(self.accelerator.device)).max()
+        metrics = {k: float(v) for k, v in zip(names, gathered.tolist())}
+        metrics["val/ratio_max"] = float(ratio_max)
+        self.state.episode += self.args.batch_size
+        metrics["eps"] = int(self.state.episode / max(time.time() - self._start_time, 1e-9))
+        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["episode"] = self.state.episode
+        self.state.epoch = self.state.episode / self.train_dataset_len
+        self.state.global_step += 1
+        self.log(metrics)
+        return metrics
+
+    def _end_update(self, update: int) -> None:
+        self.lr_scheduler.step()
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        if self.args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+            self.generate_completions(sampling=True)
+
+    # ------------------------------------------------------------------ outputs
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the policy (or adapter) for inference; a shared actor-critic also saves its value head."""
+        output_dir = output_dir or self.args.output_dir
+        unwrapped = self.unwrapped
+        if getattr(unwrapped, "is_actor_critic", False):
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                unwrapped.save_pretrained(output_dir)
+                self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return
+        wrapped = self.model
+        self.model = unwrapped  # TRL's save_model saves `self.model.policy`
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self.model = wrapped
+
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False):
+        """Sample completions for ``eval_dataset`` at low temperature, score them, print a table.
+
+        Returns a ``pandas.DataFrame`` with ``query``, ``model response`` and ``score`` columns
+        (gathered from every process), or None without an eval dataset.
+        """
+        if self.eval_dataloader is None:
+            return None
+        import pandas as pd
+        from accelerate.utils import gather_object
+
+        tok, args = self.processing_class, self.args
+        config = sampling_config(args, self.stop_token_id, tok.pad_token_id, temperature=0.01)
+        table = defaultdict(list)
+        for batch in self.eval_dataloader:
+            queries, query_mask = self._prompt_tensors(batch)
+            with unwrap_model_for_generation(
+                self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
+            ) as unwrapped:
+                raw = generate_responses(
+                    unwrapped.policy, queries, query_mask, config, args.response_length,
+                    tok.pad_token_id, args.local_rollout_forward_batch_size,
+                )
+            responses, mask, _ = finalize_responses(raw, self.stop_token_id, tok.pad_token_id, tok.eos_token_id)
+            inputs = sequence_inputs(queries, query_mask, responses, mask)
+            scores = score_at(self.reward_model, *inputs, index=queries.shape[1] + F.last_valid_index(mask))
+            texts = [tok.decode(r[m].tolist()) for r, m in zip(responses, mask)]
+            table["query"].extend(gather_object(tok.batch_decode(queries, skip_special_tokens=True)))
+            table["model response"].extend(gather_object(texts))
+            table["score"].extend(self.accelerator.gather_for_metrics(scores).float().cpu().tolist())
+            if sampling:
+                break
+        df = pd.DataFrame(table)
+        if self.accelerator.is_main_process:
+            self._show_completions(df)
+        return df
+
+    def _show_completions(self, df) -> None:
+        head = df.iloc[:5]
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            print(head.to_string())
+        else:
+            table = Table(show_lines=True)
+            for column in head.columns:
+                table.add_column(str(column))
+            for row in head.itertuples(index=False):
+                table.add_row(*[str(x) for x in row])
+            Console().print(table)
+        if "wandb" in self.args.report_to:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.log({"completions": wandb.Table(dataframe=df)})
+
+
+def _select_adv(adv: Advantages, index: torch.Tensor) -> Advantages:
+    """The rows ``index`` of every per-sequence/per-token field; scalars are kept."""
+    return Advantages(
+        **{f.name: (v[index] if torch.is_tensor(v) and v.dim() > 0 else v)
+           for f in fields(adv) for v in [getattr(adv, f.name)]}
+    )
