@@ -1,0 +1,721 @@
+"""Pure tensor math for token-level PPO on language models.
+
+Notation, used in every docstring: ``B`` sequences in a batch, ``T`` response tokens per
+sequence, ``V`` vocabulary size. ``(B, T)`` tensors hold one value per response token,
+``(B,)`` tensors one value per sequence.
+
+One mask convention everywhere: ``response_mask`` is a bool ``(B, T)`` tensor, True where
+the token counts (the generated tokens up to and including the first stop token). What is
+stored where the mask is False is never read: inputs are selected with ``torch.where``
+(not multiplied by the mask, so ``inf * 0`` cannot turn into ``nan``) and every ``(B, T)``
+output is exactly 0 there.
+
+No function modifies its inputs. This module imports torch (and ``torch.distributed``)
+only, so the trainer and the tests can use it without TRL or transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "response_mask",
+    "last_valid_index",
+    "kl_penalty",
+    "shaped_rewards",
+    "masked_gae",
+    "masked_gae_loop",
+    "masked_mean",
+    "masked_var",
+    "masked_global_mean_var",
+    "masked_global_whiten",
+    "masked_clipped_surrogate",
+    "masked_clipped_value_loss",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "masked_entropy",
+    "masked_explained_variance",
+]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_mask(mask: torch.Tensor, name: str = "response_mask") -> None:
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must be a bool tensor (True = the token counts), got dtype {mask.dtype}. "
+            f"Convert it with `{name}.bool()` (and invert it first if it marks padding)."
+        )
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name}{shape}" for name, shape in shapes.items())
+        raise ValueError(f"these tensors must have the same shape, got {listed}")
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {name}={value!r}")
+
+
+def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The tensors' promoted dtype, at least float32 (half-precision math is upcast)."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    # float64 sums make the (global) statistics independent of summation order to ~1e-16;
+    # MPS has no float64.
+    return torch.float32 if x.device.type == "mps" else torch.float64
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def response_mask(responses: torch.Tensor, stop_token_id: Optional[int]) -> torch.Tensor:
+    """Which response tokens count: the first token through the FIRST stop token.
+
+    The mask is never inferred from a pad id: the pad id may equal the EOS id, and a
+    policy may emit the pad id in the middle of its text (TRL's `first_true_indices(
+    response == pad_token_id)` gets both wrong, see trl issues #1893 and #3750).
+
+    Args:
+        responses: generated token ids without the prompt, shape (B, T).
+        stop_token_id: the id that ends a response (usually EOS), or None when generation
+            has no stop token.
+
+    Returns:
+        bool (B, T): True from position 0 through the first ``stop_token_id`` inclusive;
+        a row without one (truncated), or any row when ``stop_token_id`` is None, is all
+        True.
+
+    Example:
+        >>> response_mask(torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8]]), stop_token_id=2)
+        tensor([[ True,  True, False, False],
+                [ True,  True,  True,  True]])
+    """
+    if responses.dim() != 2:
+        raise ValueError(f"responses must have shape (B, T), got shape {tuple(responses.shape)}")
+    if stop_token_id is None:
+        return torch.ones_like(responses, dtype=torch.bool)
+    is_stop = responses == stop_token_id
+    # stops_before[b, t] = sum(is_stop[b, :t])  (stop tokens strictly before t)
+    stops_before = torch.cumsum(is_stop, dim=1) - is_stop.long()
+    return stops_before == 0
+
+
+def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True position of each row (the EOS, or the last generated token).
+
+    Args:
+        response_mask: bool (B, T).
+
+    Returns:
+        long (B,): for a prefix mask, its length - 1. A row with no True position (or
+        T == 0) gives -1; callers must not use -1 as an index (`shaped_rewards` places
+        no score on such a row). The trainer never produces one: when T >= 1 the first
+        generated token always counts.
+
+    Example:
+        >>> last_valid_index(torch.tensor([[True, True, False], [False, False, False]]))
+        tensor([ 1, -1])
+    """
+    _check_mask(response_mask)
+    batch, length = response_mask.shape
+    if length == 0:
+        return torch.full((batch,), -1, dtype=torch.long, device=response_mask.device)
+    positions = torch.arange(length, device=response_mask.device)
+    # max((t for t in range(T) if response_mask[b, t]), default=-1) for each row b
+    return torch.where(response_mask, positions, -1).amax(dim=1)
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+
+    With ``logr = ref_logprobs - logprobs`` (J. Schulman, "Approximating KL divergence",
+    http://joschu.net/blog/kl-approx.html):
+    ``k1 = -logr`` (unbiased, can be negative), ``k2 = logr**2 / 2`` (biased, >= 0),
+    ``k3 = exp(logr) - 1 - logr`` (unbiased, >= 0).
+
+    Args:
+        logprobs: log pi(a_t | s_t) of the sampled tokens, shape (B, T).
+        ref_logprobs: log pi_ref(a_t | s_t) of the same tokens, shape (B, T).
+        estimator: "k1", "k2" or "k3".
+
+    Returns:
+        (B, T) per-token estimates (no masking; see `shaped_rewards`).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"kl_penalty got estimator={estimator!r}; allowed values are "
+            f"{', '.join(repr(e) for e in KL_ESTIMATORS)}"
+        )
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return log_ratio.square() / 2
+    # expm1 is exp(logr) - 1 without the cancellation near logr = 0
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def shaped_rewards(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: Union[float, torch.Tensor],
+    kl_estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: a KL penalty on every valid token, the RM score on the last one.
+
+    Args:
+        logprobs: log pi_old(a_t | s_t) of the sampled tokens, shape (B, T).
+        ref_logprobs: log pi_ref(a_t | s_t), shape (B, T).
+        scores: reward-model score per sequence, shape (B,).
+        response_mask: bool (B, T).
+        kl_coef: beta >= 0, a float or a 0-dim tensor.
+        kl_estimator: "k1", "k2" or "k3" (see `kl_penalty`).
+
+    Returns:
+        ``(rewards, non_score_rewards)``, both (B, T) in the promoted float dtype:
+        ``non_score_rewards = -kl_coef * KL_t`` on valid tokens and exactly 0 elsewhere
+        (whatever logprobs hold there, inf included); ``rewards`` is that plus
+        ``scores[b]`` at ``last_valid_index(response_mask)[b]`` (the EOS when present,
+        else the last generated token). A row with no valid token gets no score.
+    """
+    _check_mask(response_mask)
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, response_mask=response_mask)
+    if scores.shape != response_mask.shape[:1]:
+        raise ValueError(
+            f"scores must have shape (B,) = {tuple(response_mask.shape[:1])}, "
+            f"got {tuple(scores.shape)}"
+        )
+    dtype = _float_dtype(logprobs, ref_logprobs, scores)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    # select before computing, so garbage outside the mask never reaches exp() or products
+    kl = kl_penalty(
+        torch.where(response_mask, logprobs.to(dtype), zero),
+        torch.where(response_mask, ref_logprobs.to(dtype), zero),
+        kl_estimator,
+    )
+    non_score_rewards = torch.where(response_mask, -kl_coef * kl, zero)
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    at_end = positions[None, :] == last_valid_index(response_mask)[:, None]
+    # rewards[b, last[b]] += scores[b] for each row b with last[b] >= 0
+    rewards = non_score_rewards + torch.where(at_end, scores.to(dtype)[:, None], zero)
+    return rewards, non_score_rewards
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda) -> None:
+    _check_mask(response_mask)
+    _check_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must have shape (B, T), got {tuple(response_mask.shape)}")
+    _check_range("gamma", gamma, 0.0, 1.0)
+    _check_range("gae_lambda", gae_lambda, 0.0, 1.0)
+
+
+def masked_gae_loop(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference GAE: the plain reverse loop over T (batched over B). See `masked_gae`.
+
+    Kept as the readable definition that `masked_gae` is tested against (they agree to
+    ~1e-6 of the magnitude of the summed terms in fp32); too slow for long T.
+
+    Args and Returns: as `masked_gae`.
+    """
+    _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    dtype = _float_dtype(token_rewards, values)
+    batch, length = response_mask.shape
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    rewards = torch.where(response_mask, token_rewards.to(dtype), zero)
+    values = torch.where(response_mask, values.to(dtype), zero)
+
+    next_value = torch.zeros(batch, dtype=dtype, device=values.device)
+    next_advantage = torch.zeros_like(next_value)
+    next_valid = torch.zeros(batch, dtype=torch.bool, device=values.device)
+    columns = []
+    for t in reversed(range(length)):
+        valid = response_mask[:, t]
+        cont = valid & next_valid  # t + 1 is in the same run of True: not terminal
+        next_value = torch.where(cont, next_value, zero)
+        next_advantage = torch.where(cont, next_advantage, zero)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = torch.where(valid, delta + gamma * gae_lambda * next_advantage, zero)
+        columns.append(advantage)
+        next_value, next_advantage, next_valid = values[:, t], advantage, valid
+    if not columns:
+        advantages = torch.zeros(batch, 0, dtype=dtype, device=values.device)
+    else:
+        advantages = torch.stack(columns[::-1], dim=1)
+    returns = torch.where(response_mask, advantages + values, zero)
+    return advantages, returns
+
+
+def masked_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation inside the mask, without a Python loop over T or B.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lambda * A_{t+1}``,
+    where ``V_{t+1}`` and ``A_{t+1}`` are 0 when position t+1 does not exist or is not
+    valid: a valid position followed by an invalid one is terminal. Masks are prefixes in
+    practice; a mask with holes is read as several episodes, one per contiguous run of
+    True. Values stored where the mask is False (even nan/inf) do not influence anything.
+
+    The recursion is solved by `_reverse_discounted_scan`, a parallel prefix scan of
+    ceil(log2(T)) whole-tensor steps: every coefficient is a product of factors in
+    [0, 1] (never c**-t, which overflows fp32 for long T) and memory stays O(B * T)
+    (a few MB at B=64, T=4096). `masked_gae_loop` is the reference it is tested against.
+
+    Args:
+        token_rewards: shaped reward per token r_t, shape (B, T).
+        values: critic values V_t of the rollout (old) policy, shape (B, T).
+        response_mask: bool (B, T).
+        gamma: discount in [0, 1].
+        gae_lambda: GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, both (B, T), computed and returned in the inputs'
+        promoted dtype (at least float32), exactly 0 outside the mask;
+        ``returns = advantages + values`` on valid positions.
+    """
+    _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    dtype = _float_dtype(token_rewards, values)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    rewards = torch.where(response_mask, token_rewards.to(dtype), zero)
+    values = torch.where(response_mask, values.to(dtype), zero)
+    # cont[b, t] = response_mask[b, t] and t + 1 < T and response_mask[b, t + 1]
+    cont = response_mask & _shift_left(response_mask, 1)
+    # next_values[b, t] = values[b, t + 1] if cont[b, t] else 0
+    next_values = torch.where(cont, _shift_left(values, 1), zero)
+    deltas = torch.where(response_mask, rewards + gamma * next_values - values, zero)
+    # advantages[b, t] = deltas[b, t] + gamma * gae_lambda * cont[b, t] * advantages[b, t + 1]
+    advantages = _reverse_discounted_scan(deltas, cont, gamma * gae_lambda)
+    advantages = torch.where(response_mask, advantages, zero)
+    returns = torch.where(response_mask, advantages + values, zero)
+    return advantages, returns
+
+
+def _shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """(B, T) -> (B, T) with ``out[:, t] = x[:, t + steps]``, and 0 where t + steps >= T."""
+    return torch.nn.functional.pad(x[:, steps:], (0, min(steps, x.shape[1])))
+
+
+def _reverse_discounted_scan(x: torch.Tensor, cont: torch.Tensor, discount: float) -> torch.Tensor:
+    """Solve ``y[:, t] = x[:, t] + c * cont[:, t] * y[:, t + 1]`` (``y[:, T] = 0``) for all t.
+
+    Naive form: ``for t in reversed(range(T)): y[:, t] = x[:, t] + a[:, t] * y[:, t + 1]``
+    with ``a = c * cont``. Here: a parallel (Hillis-Steele) scan, ceil(log2(T)) steps of
+    whole-tensor ops. After the step with span s, ``y[:, t]`` holds the terms k in
+    [t, t + 2s) and ``a[:, t]`` the product ``a[:, t] * ... * a[:, t + 2s - 1]``, so that
+    step s does ``y[:, t] += a[:, t] * y[:, t + s]`` and ``a[:, t] *= a[:, t + s]``.
+
+    Numerically safe for any T: every coefficient is a product of factors in [0, 1] (no
+    c**-t rescaling, which overflows fp32 once T is a few hundred), each term goes
+    through O(log T) roundings, and memory is a few (B, T) tensors.
+
+    Args:
+        x: (B, T) float, finite. cont: (B, T) bool. discount: c in [0, 1].
+
+    Returns:
+        (B, T) y, same dtype as x.
+    """
+    y = x
+    a = torch.where(cont, torch.full((), discount, dtype=x.dtype, device=x.device), 0)
+    span = 1
+    while span < x.shape[1]:
+        y = y + a * _shift_left(y, span)
+        a = a * _shift_left(a, span)
+        span *= 2
+    return y
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: Optional[Union[int, Sequence[int]]] = None
+) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is True.
+
+    Args:
+        x: any shape, e.g. (B, T); non-float inputs are converted to float32.
+        mask: bool, broadcastable to ``x.shape``.
+        dim: dimension(s) to reduce; None reduces everything to a scalar.
+
+    Returns:
+        The mean; where nothing is valid (an empty mask or slice) it is 0, not nan.
+    """
+    _check_mask(mask, "mask")
+    if not x.is_floating_point():
+        x = x.float()
+    mask = mask.expand(x.shape)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if dim is None:
+        total, count = torch.where(mask, x, zero).sum(), mask.sum()
+    else:
+        total, count = torch.where(mask, x, zero).sum(dim), mask.sum(dim)
+    # sum / count, and 0 where count == 0
+    return torch.where(count > 0, total / count.clamp(min=1).to(x.dtype), zero)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over the positions where ``mask`` is True (local, two-pass).
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: bool, broadcastable to ``x.shape``.
+        unbiased: divide by n - 1 (Bessel) instead of n.
+
+    Returns:
+        Scalar: ``sum((x - mean)**2) / (n - 1)`` (or ``/ n``). With n == 1 the unbiased
+        divisor is 0: we return 0, which is also the biased value. With n == 0: 0.
+    """
+    _check_mask(mask, "mask")
+    if not x.is_floating_point():
+        x = x.float()
+    mask = mask.expand(x.shape)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    x = torch.where(mask, x, zero)  # inf outside the mask must not reach (x - mean)**2
+    mean = masked_mean(x, mask)
+    squared_deviations = torch.where(mask, (x - mean).square(), zero).sum()
+    count = mask.sum()
+    return squared_deviations / (count - int(unbiased)).clamp(min=1).to(x.dtype)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over all processes (identity when not distributed).
+
+    The value is the all-reduced one; the gradient flows to this process's ``t`` only,
+    which is the right gradient: the other processes' parts are constants here.
+    """
+    if not _distributed():
+        return t
+    reduced = t.detach().clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    return reduced + (t - t.detach())
+
+
+def _global_mean_var(x, mask, unbiased):
+    """`masked_global_mean_var` in the accumulation dtype (float64 unless on MPS)."""
+    acc = _accumulation_dtype(x)
+    xs = torch.where(mask, x.to(acc), torch.zeros((), dtype=acc, device=x.device))
+    # pass 1: global sum and count -> global mean
+    sum_count = _all_reduce_sum(torch.stack([xs.sum(), mask.sum().to(acc)]))
+    total, count = sum_count[0], sum_count[1]
+    mean = total / count.clamp(min=1)
+    # pass 2: global sum of squared deviations from the global mean (no E[x^2] - E[x]^2
+    # cancellation)
+    squared_deviations = _all_reduce_sum(torch.where(mask, (xs - mean).square(), 0).sum())
+    var = squared_deviations / (count - int(unbiased)).clamp(min=1)
+    return mean, var
+
+
+def masked_global_mean_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of the valid entries of ``x`` across ALL processes.
+
+    When ``torch.distributed`` is initialised this is a collective: every process must
+    call it. It all-reduces the sum and the count, then the sum of squared deviations
+    from the global mean (two passes, accumulated in float64), so every process gets the
+    statistics of the concatenated batch; otherwise the local statistics. Masked-out
+    positions are never counted.
+
+    Args:
+        x: any shape, e.g. (B, T); shapes may differ between processes.
+        mask: bool, same shape as ``x``.
+        unbiased: divide by N - 1 (N = global count) instead of N.
+
+    Returns:
+        ``(mean, var)``, 0-dim tensors of ``x``'s float dtype. N == 0 gives (0, 0);
+        N == 1 gives var 0 (as `masked_var`).
+    """
+    _check_mask(mask, "mask")
+    _check_same_shape(x=x, mask=mask)
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    mean, var = _global_mean_var(x, mask, unbiased)
+    return mean.to(dtype), var.to(dtype)
+
+
+def _resolve_keep_mean(shift_mean: Optional[bool], keep_mean: Optional[bool]) -> bool:
+    if keep_mean is None:
+        return shift_mean is not None and not shift_mean
+    if shift_mean is not None and bool(shift_mean) == bool(keep_mean):
+        raise ValueError(
+            f"masked_global_whiten got shift_mean={shift_mean!r} and keep_mean={keep_mean!r}, "
+            f"which disagree (keep_mean=True means shift_mean=False); pass keep_mean only"
+        )
+    return bool(keep_mean)
+
+
+def masked_global_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: Optional[bool] = None,
+    *,
+    keep_mean: Optional[bool] = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with the global masked statistics.
+
+    Args:
+        x: any shape, e.g. advantages (B, T).
+        mask: bool, same shape as ``x``.
+        shift_mean: TRL's name: False adds the mean back after scaling. None (the
+            default) means True.
+        keep_mean: the same flag named by its effect: keep_mean=True == shift_mean=False.
+            Passing both with opposite meanings raises ValueError.
+        eps: >= 0, added to the variance.
+
+    Returns:
+        Same shape and float dtype as ``x``; exactly 0 outside the mask. Statistics from
+        `masked_global_mean_var` (unbiased; a collective when distributed). With one
+        valid element the variance is 0 and the output is finite: 0 (or the mean when
+        keeping it); with ``var + eps == 0`` the centred value (0) is not scaled.
+    """
+    keep = _resolve_keep_mean(shift_mean, keep_mean)
+    _check_mask(mask, "mask")
+    _check_same_shape(x=x, mask=mask)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got eps={eps!r}")
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    mean, var = _global_mean_var(x, mask, unbiased=True)
+    acc = mean.dtype
+    xs = torch.where(mask, x.to(acc), torch.zeros((), dtype=acc, device=x.device))
+    std = torch.sqrt(var + eps)
+    safe_std = torch.where(std > 0, std, 1)  # double where: no inf in either branch
+    whitened = torch.where(std > 0, (xs - mean) / safe_std, 0)
+    if keep:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, 0).to(dtype)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def masked_clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped policy loss, averaged over all valid tokens of the batch.
+
+    Compute ``ratio`` as ``exp(where(mask, new_logprobs - old_logprobs, 0))``: this
+    function ignores ratio outside the mask in the forward pass, but an inf produced
+    upstream would still send ``0 * inf = nan`` into the gradient of ``exp``.
+
+    Args:
+        ratio: pi_new(a_t|s_t) / pi_old(a_t|s_t), shape (B, T).
+        advantages: (B, T), usually whitened and detached.
+        response_mask: bool (B, T).
+        cliprange: eps >= 0; the ratio is clipped to [1 - eps, 1 + eps].
+
+    Returns:
+        ``(loss, clipfrac)`` scalars: ``loss = -masked_mean(min(ratio * A, clip(ratio) * A))``
+        and the (detached) share of valid tokens where the clipped term is strictly
+        smaller, i.e. the one chosen. Both 0 for an empty mask.
+    """
+    _check_mask(response_mask)
+    _check_same_shape(ratio=ratio, advantages=advantages, response_mask=response_mask)
+    _check_range("cliprange", cliprange, 0.0, float("inf"))
+    dtype = _float_dtype(ratio, advantages)
+    zero = torch.zeros((), dtype=dtype, device=ratio.device)
+    ratio = torch.where(response_mask, ratio.to(dtype), zero)
+    advantages = torch.where(response_mask, advantages.to(dtype), zero)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages
+    loss = -masked_mean(torch.minimum(unclipped, clipped), response_mask)
+    clipfrac = masked_mean((clipped < unclipped).to(dtype), response_mask).detach()
+    return loss, clipfrac
+
+
+def masked_clipped_value_loss(
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss ``0.5 * masked_mean(max((V - R)**2, (clip(V) - R)**2))``.
+
+    Args:
+        new_values: V_t of the critic being trained, shape (B, T).
+        old_values: V_old,t from the rollout, shape (B, T).
+        returns: R_t targets (from `masked_gae`), shape (B, T).
+        response_mask: bool (B, T).
+        cliprange_value: eps_v >= 0, V is clipped to [V_old - eps_v, V_old + eps_v];
+            None means no clipping.
+
+    Returns:
+        ``(loss, clipfrac)`` scalars; clipfrac (detached) is the share of valid tokens
+        where the clipped term is strictly larger (the one chosen); 0 without clipping.
+    """
+    _check_mask(response_mask)
+    _check_same_shape(
+        new_values=new_values, old_values=old_values, returns=returns, response_mask=response_mask
+    )
+    dtype = _float_dtype(new_values, old_values, returns)
+    zero = torch.zeros((), dtype=dtype, device=new_values.device)
+    new_values, old_values, returns = (
+        torch.where(response_mask, t.to(dtype), zero) for t in (new_values, old_values, returns)
+    )
+    unclipped = (new_values - returns).square()
+    if cliprange_value is None:
+        return 0.5 * masked_mean(unclipped, response_mask), zero.clone()
+    _check_range("cliprange_value", cliprange_value, 0.0, float("inf"))
+    # clip(V, V_old - eps, V_old + eps)
+    clipped_values = torch.clamp(
+        new_values, old_values - cliprange_value, old_values + cliprange_value
+    )
+    clipped = (clipped_values - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    clipfrac = masked_mean((clipped > unclipped).to(dtype), response_mask).detach()
+    return loss, clipfrac
+
+
+# --------------------------------------------------------------------------- logits
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., tokens]`` without a (B, T, V) log-softmax.
+
+    Computed as ``logits[token] - logsumexp(logits)``, one sequence at a time in float32
+    (float64 for float64 logits): the extra memory is one (T, V) block, so bf16 logits
+    are never upcast as a whole. (Under autograd, backward still keeps what it needs.)
+
+    Args:
+        logits: (B, T, V), any float dtype.
+        tokens: long (B, T), the tokens whose log-probabilities are wanted.
+
+    Returns:
+        (B, T) float32 (float64 for float64 logits).
+    """
+    _check_logits(logits)
+    if tuple(tokens.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"tokens must have shape (B, T) = {tuple(logits.shape[:2])} to match logits "
+            f"{tuple(logits.shape)}, got {tuple(tokens.shape)}"
+        )
+    dtype = _compute_dtype(logits)
+    rows = []
+    for row_logits, row_tokens in zip(logits, tokens):  # (T, V), (T,)
+        row_logits = row_logits.to(dtype)
+        picked = torch.gather(row_logits, -1, row_tokens[:, None]).squeeze(-1)
+        rows.append(picked - torch.logsumexp(row_logits, dim=-1))
+    if not rows:
+        return torch.zeros(tokens.shape, dtype=dtype, device=logits.device)
+    return torch.stack(rows)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at every position.
+
+    ``H = -sum_v p_v * log p_v`` with ``log p = logits - logsumexp(logits)``, one sequence
+    at a time in float32 (float64 for float64 logits). Banned tokens (logit -inf) add 0 to
+    the entropy and to its gradient: log p is clamped to the dtype's finite minimum, so
+    ``0 * -inf = nan`` never happens.
+
+    Args:
+        logits: (B, T, V), any float dtype.
+
+    Returns:
+        (B, T) float32 (float64 for float64 logits), in nats.
+    """
+    _check_logits(logits)
+    dtype = _compute_dtype(logits)
+    rows = []
+    for row_logits in logits:  # (T, V)
+        row_logits = row_logits.to(dtype)
+        logp = row_logits - torch.logsumexp(row_logits, dim=-1, keepdim=True)
+        logp = logp.clamp(min=torch.finfo(dtype).min)
+        rows.append(-(logp.exp() * logp).sum(-1))
+    if not rows:
+        return torch.zeros(logits.shape[:2], dtype=dtype, device=logits.device)
+    return torch.stack(rows)
+
+
+def masked_entropy(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Mean token entropy over the valid tokens of the batch.
+
+    Args:
+        logits: (B, T, V). response_mask: bool (B, T).
+
+    Returns:
+        Scalar (differentiable), 0 for an empty mask.
+    """
+    _check_mask(response_mask)
+    _check_logits(logits)
+    _check_same_shape(logits_BT=logits[..., 0], response_mask=response_mask)
+    return masked_mean(entropy_from_logits(logits), response_mask)
+
+
+def masked_explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``1 - Var[R - V] / Var[R]`` over the valid tokens (a diagnostic of the critic).
+
+    1 is a perfect critic, 0 no better than a constant, negative worse than one.
+
+    Args:
+        values: V_t, shape (B, T). returns: R_t, shape (B, T). response_mask: bool (B, T).
+
+    Returns:
+        Detached scalar. When Var[R] == 0 (fewer than two valid tokens, or constant
+        returns) the ratio is undefined and we return 0, not nan.
+    """
+    _check_mask(response_mask)
+    _check_same_shape(values=values, returns=returns, response_mask=response_mask)
+    dtype = _float_dtype(values, returns)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    values = torch.where(response_mask, values.detach().to(dtype), zero)
+    returns = torch.where(response_mask, returns.detach().to(dtype), zero)
+    var_returns = masked_var(returns, response_mask)
+    var_residual = masked_var(returns - values, response_mask)
+    safe_var = torch.where(var_returns > 0, var_returns, 1)
+    return torch.where(var_returns > 0, 1 - var_residual / safe_var, zero)
