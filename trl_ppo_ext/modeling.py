@@ -1,0 +1,534 @@
+"""Shared-backbone actor-critic for PPO on one GPU, and the loaders that build it.
+
+TRL's PPO keeps four full models (policy, reference, value model, reward model); at 7B
+that does not fit one GPU. Here policy, reference and critic share ONE frozen base:
+
+* policy    = base + a LoRA adapter (``SharedActorCritic.policy``, a ``peft.PeftModel``);
+* reference = the same base with the adapter disabled (``reference_context()``);
+* critic    = a scalar ``nn.Linear(hidden_size, 1)`` on the final hidden state of the
+  policy's own forward, so one forward gives logits and values.
+
+Only the LoRA weights and the value head train. The reward model is loaded separately
+(:func:`load_reward_model`), optionally in 4-bit, and can be kept off the GPU between
+scoring passes (``trl_ppo_ext.offload``).
+
+Notation: ``B`` sequences, ``L`` tokens per sequence (prompt + response), ``V`` vocab,
+``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterator
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+from .quantization import (
+    import_bitsandbytes,
+    is_4bit_model,
+    make_4bit_cpu_safe,
+    nf4_quantization_config,
+    resolve_compute_dtype,
+)
+
+VALUE_HEAD_WEIGHTS = "value_head.safetensors"
+VALUE_HEAD_CONFIG = "value_head_config.json"
+VALUE_ADAPTER_NAME = "value"
+# Attention projections of Llama-like models (Llama, Mistral, Qwen2, Gemma, Phi-3 ...).
+LLAMA_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def default_lora_config(model: nn.Module, *, r: int = 16, lora_alpha: int = 32,
+                        lora_dropout: float = 0.0,
+                        target_modules: list[str] | str | None = None) -> LoraConfig:
+    """A causal-LM ``LoraConfig``; by default on the q/k/v/o projections of ``model``.
+
+    Args:
+        model: the base model (only its module names are read).
+        r, lora_alpha, lora_dropout: the usual LoRA rank, scale numerator and dropout.
+        target_modules: module names (or ``"all-linear"``); None picks those of
+            ``LLAMA_ATTENTION_PROJECTIONS`` that ``model`` has.
+
+    Raises:
+        ValueError: ``target_modules`` is None and ``model`` has none of q/k/v/o_proj.
+    """
+    if target_modules is None:
+        leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        target_modules = [n for n in LLAMA_ATTENTION_PROJECTIONS if n in leaf_names]
+        if not target_modules:
+            raise ValueError(
+                f"lora_target_modules=None: {type(model).__name__} has none of the Llama-style "
+                f"projections {list(LLAMA_ATTENTION_PROJECTIONS)}. Pass the module names to adapt, "
+                "e.g. lora_target_modules=['c_attn'] for GPT-2, or 'all-linear'."
+            )
+    return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                      target_modules=target_modules, bias="none", task_type="CAUSAL_LM")
+
+
+def _hidden_size(config) -> int:
+    """Hidden size of a (possibly multimodal) transformers config."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.hidden_size)
+
+
+@contextlib.contextmanager
+def _quiet_peft_on_new_transformers() -> Iterator[None]:
+    """peft 0.21 reads ``model.is_gradient_checkpointing``, which transformers 5 deprecated
+    in favour of ``is_activation_checkpointing``; the FutureWarning is not the user's to fix."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated",
+                                category=FutureWarning)
+        yield
+
+
+def _new_value_head(hidden_size: int, device: torch.device) -> nn.Linear:
+    """fp32 ``Linear(H, 1)``; weights ~ N(0, 1/(H+1)^2) and zero bias, so initial values are
+    close to 0 and the first value-loss gradients do not swamp the policy gradient."""
+    head = nn.Linear(hidden_size, 1, device=device, dtype=torch.float32)
+    nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1))
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class SharedActorCritic(nn.Module):
+    """Policy (LoRA on a frozen base), reference (adapter off) and critic on one backbone.
+
+    ``forward`` runs the policy once with ``output_hidden_states=True`` and applies the
+    value head to the last hidden state: logits and values from the same pass. The base
+    stays frozen; ``value_head`` and the LoRA weights are the only trainable parameters.
+
+    Value LoRA (``value_lora_config``), off by default. Off: the critic reads the
+    policy-adapted final hidden state -- one backbone forward, but policy and value
+    gradients meet in the same LoRA weights (``value_coef`` balances them). On: the critic
+    gets its own LoRA adapter (``"value"``) on the same base, and ``forward`` costs a
+    second backbone pass (without the LM head) with that adapter active: about 2x the
+    forward/backward compute and activation memory of the default, plus one adapter of
+    weights and optimizer state; in exchange the value loss cannot disturb the policy.
+    Gradient checkpointing is refused with a value adapter: checkpointed layers recompute
+    during backward with whatever adapter is active then, which would silently give the
+    value pass the policy adapter's activations.
+
+    Args:
+        base_model: a causal LM (``transformers`` ``*ForCausalLM``), plain or 4-bit; or a
+            ``peft.PeftModel`` that already carries the policy adapter (``lora_config``
+            must then be None). A 4-bit base is made CPU-safe (``make_4bit_cpu_safe``).
+        lora_config: LoRA for the policy; None -> :func:`default_lora_config`.
+        value_head: a ``Linear(H, 1)`` to use as critic; None -> a new fp32 one.
+        value_lora_config: a separate LoRA adapter for the critic (see above); None -> off.
+            A PeftModel that already has an adapter named ``"value"`` turns it on too.
+
+    Raises:
+        ValueError: a PeftModel together with ``lora_config``; a value head of the wrong
+            shape; gradient checkpointing requested together with a value adapter.
+    """
+
+    is_actor_critic = True
+
+    def __init__(self, base_model: nn.Module, lora_config: LoraConfig | None = None,
+                 value_head: nn.Linear | None = None,
+                 value_lora_config: LoraConfig | None = None):
+        super().__init__()
+        self.policy = self._wrap_policy(base_model, lora_config)
+        self.policy_adapter = self.policy.active_adapter
+        self.value_adapter = self._add_value_adapter(value_lora_config)
+        hidden_size = _hidden_size(self.config)
+        device = self.policy.get_output_embeddings().weight.device
+        if value_head is None:
+            value_head = _new_value_head(hidden_size, device)
+        elif (value_head.in_features, value_head.out_features) != (hidden_size, 1):
+            raise ValueError(
+                f"value_head=Linear({value_head.in_features}, {value_head.out_features}) does not "
+                f"fit this base (hidden_size={hidden_size}). Pass nn.Linear({hidden_size}, 1), "
+                "or value_head=None for a new one."
+            )
+        self.value_head = value_head
+        if self.value_adapter is not None and self.is_gradient_checkpointing:
+            raise ValueError(self._checkpointing_refusal())
+
+    @staticmethod
+    def _wrap_policy(base_model: nn.Module, lora_config: LoraConfig | None) -> PeftModel:
+        """Wrap ``base_model`` in a LoRA PeftModel (frozen base), or accept one as is."""
+        if isinstance(base_model, PeftModel):
+            if lora_config is not None:
+                raise ValueError(
+                    f"base_model is already a PeftModel (adapters {list(base_model.peft_config)}) "
+                    f"and lora_config={lora_config!r} was also given. Pass either a plain causal "
+                    "LM with lora_config, or the PeftModel with lora_config=None."
+                )
+            if is_4bit_model(base_model):
+                make_4bit_cpu_safe(base_model)
+            return base_model
+        if is_4bit_model(base_model):
+            make_4bit_cpu_safe(base_model)
+        config = lora_config if lora_config is not None else default_lora_config(base_model)
+        with _quiet_peft_on_new_transformers():
+            return get_peft_model(base_model, config)  # freezes every base parameter
+
+    def _add_value_adapter(self, value_lora_config: LoraConfig | None) -> str | None:
+        """Add the critic's LoRA adapter (trainable, inactive); its name, or None if off."""
+        exists = VALUE_ADAPTER_NAME in self.policy.peft_config
+        if value_lora_config is None:
+            return VALUE_ADAPTER_NAME if exists else None
+        if exists:
+            raise ValueError(
+                f"value_lora_config was given but the policy already has an adapter named "
+                f"{VALUE_ADAPTER_NAME!r}. Pass value_lora_config=None to use that one."
+            )
+        self.policy.add_adapter(VALUE_ADAPTER_NAME, value_lora_config)
+        # peft leaves an added, inactive adapter frozen; the critic's adapter must train.
+        for name, param in self.policy.named_parameters():
+            if f".{VALUE_ADAPTER_NAME}." in f".{name}.":
+                param.requires_grad_(True)
+        return VALUE_ADAPTER_NAME
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy logits and critic values for every position.
+
+        Args:
+            input_ids: token ids. Shape: (B, L).
+            attention_mask: 1 = real token, 0 = padding. Shape: (B, L).
+            position_ids: positions (left padding needs them). Shape: (B, L).
+            **kwargs: passed to the policy's forward (``use_cache`` defaults to False).
+
+        Returns:
+            logits: next-token logits, dtype of the model. Shape: (B, L, V).
+            values: float32 value estimates ``V(s_t)``. Shape: (B, L).
+        """
+        kwargs.setdefault("use_cache", False)
+        output = self.policy(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids, output_hidden_states=True, **kwargs)
+        if self.value_adapter is None:
+            hidden = output.hidden_states[-1]  # (B, L, H), after the final norm
+        else:
+            hidden = self._value_hidden_states(input_ids, attention_mask, position_ids)
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return output.logits, values.float()
+
+    def _value_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """Final hidden states with the value adapter active. Shape: (B, L, H)."""
+        if torch.is_grad_enabled() and self.is_gradient_checkpointing:
+            raise RuntimeError(self._checkpointing_refusal())
+        base = self.policy.get_base_model()
+        backbone = getattr(base, base.base_model_prefix, None)  # the LM without its head
+        with self._active_adapter(self.value_adapter):
+            if backbone is None:
+                return base(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, output_hidden_states=True,
+                            use_cache=False).hidden_states[-1]
+            return backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=False).last_hidden_state
+
+    @contextlib.contextmanager
+    def _active_adapter(self, name: str) -> Iterator[None]:
+        """Make adapter ``name`` the active one inside the block, leaving every
+        ``requires_grad`` flag as it was (peft's ``set_adapter`` freezes inactive adapters)."""
+        flags = [(p, p.requires_grad) for p in self.policy.parameters()]
+        previous = self.policy.active_adapter
+        try:
+            self.policy.set_adapter(name)
+            for param, flag in flags:
+                param.requires_grad_(flag)
+            yield
+        finally:
+            self.policy.set_adapter(previous)
+            for param, flag in flags:
+                param.requires_grad_(flag)
+
+    def reference_context(self) -> contextlib.AbstractContextManager:
+        """Context in which ``policy`` (and ``forward``) compute with every adapter disabled,
+        i.e. the frozen base model: the PPO reference policy, at no extra memory."""
+        return self.policy.disable_adapter()
+
+    # ------------------------------------------------------------ pass-throughs
+
+    @property
+    def config(self):
+        """The base model's ``transformers`` config."""
+        return self.policy.get_base_model().config
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether any layer of the base model checkpoints activations."""
+        return any(getattr(m, "gradient_checkpointing", False) is True
+                   for m in self.policy.get_base_model().modules())
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      **kwargs) -> None:
+        """Enable activation checkpointing on the base (refused with a value adapter)."""
+        if self.value_adapter is not None:
+            raise ValueError(self._checkpointing_refusal())
+        base = self.policy.get_base_model()
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            base.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+        else:
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Disable activation checkpointing on the base."""
+        base = self.policy.get_base_model()
+        if hasattr(base, "activation_checkpointing_disable"):
+            base.activation_checkpointing_disable()
+        else:
+            base.gradient_checkpointing_disable()
+
+    def _checkpointing_refusal(self) -> str:
+        return (
+            f"gradient checkpointing cannot be combined with a value LoRA adapter "
+            f"({self.value_adapter!r}): recomputation during backward would use the policy "
+            "adapter. Build SharedActorCritic with value_lora_config=None (the value head then "
+            "reads the policy's hidden states), or turn gradient checkpointing off."
+        )
+
+    # ----------------------------------------------------------- save / load
+
+    def save_pretrained(self, output_dir: str | os.PathLike) -> None:
+        """Write the adapter(s) (peft layout: policy adapter at the top, the value adapter in
+        ``value/``) and the value head (``value_head.safetensors`` + ``value_head_config.json``).
+
+        ``peft.PeftModel.from_pretrained(base, output_dir)`` loads the policy alone;
+        :meth:`from_pretrained` restores everything.
+        """
+        from safetensors.torch import save_file
+
+        os.makedirs(output_dir, exist_ok=True)
+        self.policy.save_pretrained(output_dir)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(state, os.path.join(output_dir, VALUE_HEAD_WEIGHTS))
+        meta = {
+            "hidden_size": self.value_head.in_features,
+            "dtype": str(self.value_head.weight.dtype).removeprefix("torch."),
+            "bias": self.value_head.bias is not None,
+            "policy_adapter": self.policy_adapter,
+            "value_adapter": self.value_adapter,
+        }
+        with open(os.path.join(output_dir, VALUE_HEAD_CONFIG), "w") as f:
+            json.dump(meta, f, indent=2)
+
+    @classmethod
+    def from_pretrained(cls, base_model: nn.Module, output_dir: str | os.PathLike,
+                        is_trainable: bool = False) -> SharedActorCritic:
+        """Rebuild a saved actor-critic on ``base_model`` (the same base it was trained on).
+
+        Args:
+            base_model: a plain causal LM (plain or 4-bit); it is modified in place by peft.
+            output_dir: a directory written by :meth:`save_pretrained`.
+            is_trainable: leave adapters and value head trainable (to resume training);
+                False freezes everything (inference / evaluation).
+
+        Raises:
+            FileNotFoundError: ``output_dir`` lacks the value-head files.
+            ValueError: the saved value head does not fit ``base_model``'s hidden size.
+        """
+        from safetensors.torch import load_file
+
+        meta_path = os.path.join(output_dir, VALUE_HEAD_CONFIG)
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(
+                f"output_dir={os.fspath(output_dir)!r} has no {VALUE_HEAD_CONFIG}. Pass a directory "
+                "written by SharedActorCritic.save_pretrained (a bare peft adapter directory can be "
+                "loaded with SharedActorCritic(PeftModel.from_pretrained(base, dir)))."
+            )
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta["hidden_size"] != _hidden_size(base_model.config):
+            raise ValueError(
+                f"output_dir={os.fspath(output_dir)!r} holds a value head for hidden_size="
+                f"{meta['hidden_size']} but base_model has hidden_size={_hidden_size(base_model.config)}. "
+                "Pass the base model the adapter was trained on."
+            )
+        if is_4bit_model(base_model):
+            make_4bit_cpu_safe(base_model)
+        with _quiet_peft_on_new_transformers():
+            policy = PeftModel.from_pretrained(base_model, output_dir, is_trainable=is_trainable,
+                                               adapter_name=meta["policy_adapter"])
+        if meta["value_adapter"] is not None:
+            policy.load_adapter(os.path.join(output_dir, meta["value_adapter"]),
+                                adapter_name=meta["value_adapter"], is_trainable=is_trainable)
+        head = nn.Linear(meta["hidden_size"], 1, bias=meta["bias"],
+                         dtype=getattr(torch, meta["dtype"]),
+                         device=policy.get_output_embeddings().weight.device)
+        head.load_state_dict(load_file(os.path.join(output_dir, VALUE_HEAD_WEIGHTS)))
+        head.requires_grad_(is_trainable)
+        model = cls(policy, value_head=head)
+        return model.train(is_trainable)
+
+
+# ---------------------------------------------------------------------- loaders
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def resolve_model_source(model_name_or_path: str | os.PathLike) -> str:
+    """``model_name_or_path`` as a string, checked to be a local directory or a hub id.
+
+    Raises:
+        FileNotFoundError: it is neither an existing directory nor shaped like a
+            Hugging Face Hub id (``name`` or ``org/name``).
+    """
+    source = os.fspath(model_name_or_path)
+    if os.path.isdir(source):
+        return source
+    if os.path.exists(source) or not _HUB_ID.match(source) or ".." in source:
+        raise FileNotFoundError(
+            f"model_name_or_path={source!r} is not an existing local directory nor a Hugging Face "
+            "Hub id ('name' or 'org/name'). Pass the directory written by save_pretrained(), or "
+            "a Hub id."
+        )
+    return source
+
+
+def _torch_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """Validate ``torch_dtype``: None, ``"auto"``, a torch dtype or its name."""
+    if torch_dtype is None or torch_dtype == "auto" or isinstance(torch_dtype, torch.dtype):
+        return torch_dtype
+    resolved = getattr(torch, str(torch_dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(
+            f"torch_dtype={torch_dtype!r} is not a torch dtype. Pass e.g. torch.bfloat16, "
+            "'bfloat16', 'float32', 'auto' or None."
+        )
+    return resolved
+
+
+def _target_device(device_map) -> torch.device:
+    """The device a model loaded with ``device_map`` computes on (first GPU wins)."""
+    if device_map is None or device_map == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    for place in places:
+        if isinstance(place, int) or str(place).startswith("cuda"):
+            return torch.device("cuda", place) if isinstance(place, int) else torch.device(place)
+    return torch.device("cpu")
+
+
+def _load_kwargs(*, load_in_4bit: bool, torch_dtype, revision, device_map,
+                 trust_remote_code: bool) -> dict:
+    """``from_pretrained`` keyword arguments shared by both loaders."""
+    dtype = _torch_dtype(torch_dtype)
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+    if load_in_4bit:
+        import_bitsandbytes("load_in_4bit=True")  # clear ImportError before any download
+        device = _target_device(device_map)
+        if device.type == "cuda" and isinstance(dtype, torch.dtype):
+            compute = dtype
+        else:  # fp32 on the CPU whatever was asked (see resolve_compute_dtype)
+            compute = resolve_compute_dtype(True if dtype == torch.bfloat16 else None, device)
+        kwargs["quantization_config"] = nf4_quantization_config(compute)
+        # Norms, embeddings and lm_head in the compute dtype, so nothing mixes dtypes.
+        dtype = compute
+        if device_map is None:
+            device_map = {"": torch.cuda.current_device() if device.type == "cuda" else "cpu"}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    return kwargs
+
+
+def _from_pretrained(auto_class, source: str, **kwargs):
+    """``auto_class.from_pretrained`` with a load failure that names the argument."""
+    try:
+        return auto_class.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise OSError(
+            f"could not load model_name_or_path={source!r} (revision={kwargs.get('revision')!r}): "
+            f"{err} If it is a Hub id, check its spelling, your network and token, or set "
+            "HF_HUB_OFFLINE=1 with the model in the local cache; otherwise pass a local directory."
+        ) from err
+
+
+def load_actor_critic(model_name_or_path: str | os.PathLike, *, lora_r: int = 16,
+                      lora_alpha: int = 32, lora_dropout: float = 0.0,
+                      lora_target_modules: list[str] | str | None = None,
+                      load_in_4bit: bool = False, torch_dtype: torch.dtype | str | None = None,
+                      revision: str | None = None, device_map=None,
+                      trust_remote_code: bool = False,
+                      value_lora: bool = False) -> SharedActorCritic:
+    """Load a causal LM and wrap it as a :class:`SharedActorCritic` (frozen base + LoRA).
+
+    Args:
+        model_name_or_path: local directory or Hugging Face Hub id of the SFT policy.
+        lora_r, lora_alpha, lora_dropout: LoRA rank, alpha and dropout.
+        lora_target_modules: modules to adapt; None -> the q/k/v/o projections.
+        load_in_4bit: load the base as bitsandbytes nf4 (double quant; compute in bf16 on
+            CUDA, fp32 on the CPU) and make it CPU-safe to train (``make_4bit_cpu_safe``).
+        torch_dtype: dtype of the non-quantized weights (None: transformers' default; with
+            4-bit: the compute dtype). Use bf16 on CUDA for 7B models.
+        revision: hub revision (branch, tag or commit) -- record it for reproducibility.
+        device_map: passed to ``from_pretrained``; with 4-bit, None -> the current GPU or CPU.
+        trust_remote_code: passed to ``from_pretrained``.
+        value_lora: give the critic its own LoRA adapter (same r/alpha/targets; see
+            :class:`SharedActorCritic` for the cost).
+
+    Raises:
+        ImportError: ``load_in_4bit=True`` without an importable bitsandbytes.
+        FileNotFoundError / OSError: the model cannot be found or loaded.
+    """
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model_source(model_name_or_path)
+    kwargs = _load_kwargs(load_in_4bit=load_in_4bit, torch_dtype=torch_dtype, revision=revision,
+                          device_map=device_map, trust_remote_code=trust_remote_code)
+    base = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
+    lora = default_lora_config(base, r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                               target_modules=lora_target_modules)
+    value_lora_config = None
+    if value_lora:
+        value_lora_config = default_lora_config(base, r=lora_r, lora_alpha=lora_alpha,
+                                                lora_dropout=lora_dropout,
+                                                target_modules=lora.target_modules)
+    return SharedActorCritic(base, lora_config=lora, value_lora_config=value_lora_config)
+
+
+def load_reward_model(model_name_or_path: str | os.PathLike, *, num_labels: int = 1,
+                      load_in_4bit: bool = False, torch_dtype: torch.dtype | str | None = None,
+                      revision: str | None = None, device_map=None,
+                      trust_remote_code: bool = False) -> nn.Module:
+    """Load a frozen, eval-mode scalar reward model (``AutoModelForSequenceClassification``).
+
+    Args:
+        model_name_or_path: local directory or Hub id of a reward model trained with one
+            output (``num_labels=1``).
+        num_labels: must be 1: PPO needs one scalar score per sequence.
+        load_in_4bit, torch_dtype, revision, device_map, trust_remote_code: as in
+            :func:`load_actor_critic`. The score head stays unquantized.
+
+    Raises:
+        ValueError: ``num_labels != 1``, or a checkpoint whose config has ``num_labels != 1``.
+        ImportError: ``load_in_4bit=True`` without an importable bitsandbytes.
+        FileNotFoundError / OSError: the model cannot be found or loaded.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if num_labels != 1:
+        raise ValueError(
+            f"num_labels={num_labels!r}: a PPO reward model must output one scalar per sequence. "
+            "Pass num_labels=1 (and a reward model trained with one output)."
+        )
+    source = resolve_model_source(model_name_or_path)
+    kwargs = _load_kwargs(load_in_4bit=load_in_4bit, torch_dtype=torch_dtype, revision=revision,
+                          device_map=device_map, trust_remote_code=trust_remote_code)
+    config = _from_pretrained(AutoConfig, source, revision=revision,
+                              trust_remote_code=trust_remote_code)
+    if config.num_labels != 1:
+        raise ValueError(
+            f"model_name_or_path={source!r} has num_labels={config.num_labels} in its config; a PPO "
+            "reward model must output one scalar (num_labels=1). Use a reward model trained with "
+            "one output (e.g. TRL's RewardTrainer), not a multi-class classifier."
+        )
+    model = _from_pretrained(AutoModelForSequenceClassification, source, config=config, **kwargs)
+    if load_in_4bit:
+        make_4bit_cpu_safe(model)
+    model.requires_grad_(False)
+    return model.eval()
