@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._compat import TRLPPOConfig
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from .functional import KL_ESTIMATORS
 
 
 def _bf16_available() -> bool:
