@@ -1,0 +1,42 @@
+"""Short PPO run meant for `accelerate launch` with 2 CPU processes (see tests/test_distributed.py).
+
+Writes `<out>/rank<k>.json` with what the test checks: the world size, every logged metric,
+and whether each process's shard of the rollout data differed.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from conftest import prompt_dataset, tiny_config, tiny_models  # noqa: E402
+
+from trl_ppo_ext import PPOTrainer  # noqa: E402
+from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
+
+if __name__ == "__main__":
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok)
+    peft = mode == "peft"
+    trainer = PPOTrainer(
+        args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         num_mini_batches=2, num_ppo_epochs=2),
+        processing_class=tok, model=policy, ref_model=None if peft else ref, reward_model=reward,
+        train_dataset=prompt_dataset(tok, n=32), value_model=value,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if peft else None,
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    # Parameters stay in sync across processes (DDP averages gradients).
+    checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters() if p.requires_grad))
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
+        "batch_size": trainer.args.batch_size,
+    }))
