@@ -200,6 +200,19 @@ def test_save_and_load_round_trip_is_exact(tok, ids, tmp_path):
     assert trainable == {n for n, p in model.named_parameters() if p.requires_grad}
 
 
+def test_round_trip_with_a_non_default_adapter_name(tok, ids, tmp_path):
+    from peft import get_peft_model
+
+    model = SharedActorCritic(get_peft_model(build_tiny_causal_lm(tok, seed=0), small_lora(),
+                                             adapter_name="policy"))
+    fill_trainable(model, seed=0)
+    model.save_pretrained(tmp_path)
+    loaded = SharedActorCritic.from_pretrained(build_tiny_causal_lm(tok, seed=0), tmp_path)
+    assert loaded.policy.active_adapter == "policy"
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(model.eval()(ids), loaded(ids)))
+
+
 def test_from_pretrained_errors(tok, tmp_path):
     with pytest.raises(FileNotFoundError, match="output_dir=.*value_head_config.json"):
         SharedActorCritic.from_pretrained(build_tiny_causal_lm(tok), tmp_path)
@@ -280,6 +293,13 @@ def test_missing_path_is_a_clear_error(tmp_path):
     (tmp_path / "file.bin").write_text("x")
     with pytest.raises(FileNotFoundError, match="not an existing local directory"):
         load_actor_critic(tmp_path / "file.bin")
+
+
+def test_mistyped_relative_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)  # "outputs/sft" would otherwise look like a Hub id
+    with pytest.raises(FileNotFoundError, match="model_name_or_path='outputs/sft'"):
+        load_actor_critic("outputs/sft")
 
 
 def test_hub_failure_names_the_argument(monkeypatch):

@@ -158,7 +158,8 @@ class SharedActorCritic(nn.Module):
             if lora_config is not None:
                 raise ValueError(
                     f"base_model is already a PeftModel (adapters {list(base_model.peft_config)}) "
-                    f"and lora_config={lora_config!r} was also given. Pass either a plain causal "
+                    f"and lora_config={type(lora_config).__name__}(r={getattr(lora_config, 'r', '?')}, ...) "
+                    "was also given. Pass either a plain causal "
                     "LM with lora_config, or the PeftModel with lora_config=None."
                 )
             if is_4bit_model(base_model):
@@ -350,10 +351,11 @@ class SharedActorCritic(nn.Module):
         if is_4bit_model(base_model):
             make_4bit_cpu_safe(base_model)
         with _quiet_peft_on_new_transformers():
-            policy = PeftModel.from_pretrained(base_model, output_dir, is_trainable=is_trainable,
-                                               adapter_name=meta["policy_adapter"])
+            policy = PeftModel.from_pretrained(
+                base_model, _adapter_dir(output_dir, meta["policy_adapter"]),
+                is_trainable=is_trainable, adapter_name=meta["policy_adapter"])
         if meta["value_adapter"] is not None:
-            policy.load_adapter(os.path.join(output_dir, meta["value_adapter"]),
+            policy.load_adapter(_adapter_dir(output_dir, meta["value_adapter"]),
                                 adapter_name=meta["value_adapter"], is_trainable=is_trainable)
         head = nn.Linear(meta["hidden_size"], 1, bias=meta["bias"],
                          dtype=getattr(torch, meta["dtype"]),
@@ -362,6 +364,14 @@ class SharedActorCritic(nn.Module):
         head.requires_grad_(is_trainable)
         model = cls(policy, value_head=head)
         return model.train(is_trainable)
+
+
+def _adapter_dir(output_dir: str | os.PathLike, adapter_name: str) -> str:
+    """Where ``PeftModel.save_pretrained`` put ``adapter_name``: the top for "default",
+    a sub-directory named after the adapter otherwise."""
+    if adapter_name == "default":
+        return os.fspath(output_dir)
+    return os.path.join(output_dir, adapter_name)
 
 
 # ---------------------------------------------------------------------- loaders
@@ -379,7 +389,9 @@ def resolve_model_source(model_name_or_path: str | os.PathLike) -> str:
     source = os.fspath(model_name_or_path)
     if os.path.isdir(source):
         return source
-    if os.path.exists(source) or not _HUB_ID.match(source) or ".." in source:
+    # "outputs/sft" with an existing "outputs/" is a mistyped local path, not a Hub id.
+    local_parent = "/" in source and os.path.isdir(source.split("/", 1)[0])
+    if os.path.exists(source) or local_parent or not _HUB_ID.match(source) or ".." in source:
         raise FileNotFoundError(
             f"model_name_or_path={source!r} is not an existing local directory nor a Hugging Face "
             "Hub id ('name' or 'org/name'). Pass the directory written by save_pretrained(), or "
