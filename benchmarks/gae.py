@@ -67,7 +67,10 @@ def main() -> None:
         loop = median_seconds(masked_gae_loop, rollout, args.repeats)
         vectorised = median_seconds(masked_gae, rollout, args.repeats)
         speedups[length] = loop / vectorised
-        print(f"{length:>6} | {loop * 1e3:>10.2f} | {vectorised * 1e3:>15.2f} | {speedups[length]:>7.2f}x")
+        print(
+            f"{length:>6} | {loop * 1e3:>10.2f} | {vectorised * 1e3:>15.2f} | "
+            f"{speedups[length]:>7.2f}x"
+        )
     print("speed-ups: " + ", ".join(f"T={t}: {s:.2f}x" for t, s in speedups.items()))
     if 1024 in speedups:
         print(f"gae speedup at T=1024: {speedups[1024]:.2f}")

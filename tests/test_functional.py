@@ -233,15 +233,15 @@ def test_shaped_rewards_hand_computed(estimator):
 
 def test_shaped_rewards_row_without_valid_token_gets_no_score():
     mask = torch.tensor([[False, False], [True, False]])
-    rewards, _ = F.shaped_rewards(torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([5.0, 7.0]), mask, 0.1)
+    zeros = torch.zeros(2, 2)
+    rewards, _ = F.shaped_rewards(zeros, zeros, torch.tensor([5.0, 7.0]), mask, 0.1)
     assert_close(rewards, [[0.0, 0.0], [7.0, 0.0]])
 
 
 def test_shaped_rewards_checks_scores_shape():
+    zeros, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"scores must have shape \(B,\)"):
-        F.shaped_rewards(
-            torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 1), torch.ones(2, 3, dtype=torch.bool), 0.1
-        )
+        F.shaped_rewards(zeros, zeros, torch.zeros(2, 1), mask, 0.1)
 
 
 def trl_score_positions(responses, pad_token_id):
@@ -254,7 +254,8 @@ def trl_score_positions(responses, pad_token_id):
     is_pad = responses == pad_token_id
     first_pad = torch.where(is_pad.any(dim=1), is_pad.int().argmax(dim=1), length)
     sequence_length = first_pad - 1
-    return torch.where(sequence_length + 1 < length, sequence_length + 1, sequence_length), sequence_length
+    actual_end = torch.where(sequence_length + 1 < length, sequence_length + 1, sequence_length)
+    return actual_end, sequence_length
 
 
 def test_regression_trl_actual_end_puts_score_on_padding_issues_1893_3750():
@@ -322,9 +323,11 @@ def test_gae_hand_computed_holes_are_separate_episodes(gae):
 
 @pytest.mark.parametrize("gae", GAE_FUNCTIONS)
 def test_gae_empty_rows_and_zero_length(gae):
-    advantages, returns = gae(torch.ones(2, 3), torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.bool), 1.0, 1.0)
+    ones, empty = torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.bool)
+    advantages, returns = gae(ones, ones, empty, 1.0, 1.0)
     assert torch.equal(advantages, torch.zeros(2, 3)) and torch.equal(returns, torch.zeros(2, 3))
-    advantages, _ = gae(torch.ones(2, 0), torch.ones(2, 0), torch.zeros(2, 0, dtype=torch.bool), 1.0, 1.0)
+    no_columns = torch.ones(2, 0)
+    advantages, _ = gae(no_columns, no_columns, torch.zeros(2, 0, dtype=torch.bool), 1.0, 1.0)
     assert advantages.shape == (2, 0)
 
 
@@ -393,7 +396,8 @@ def test_gae_ignores_everything_outside_the_mask(gae, garbage):
     values = torch.randn(4, 40, generator=generator)
     mask = prefix_mask([40, 25, 1, 0], 40)
     clean = gae(rewards, values, mask, 0.99, 0.95)
-    dirty = gae(torch.where(mask, rewards, garbage), torch.where(mask, values, garbage), mask, 0.99, 0.95)
+    dirty_rewards, dirty_values = torch.where(mask, rewards, garbage), torch.where(mask, values, garbage)
+    dirty = gae(dirty_rewards, dirty_values, mask, 0.99, 0.95)
     for a, b in zip(clean, dirty):
         assert torch.equal(a, b)  # bitwise: outside values are selected away before any arithmetic
         assert torch.equal(a[~mask], torch.zeros((~mask).sum()))
@@ -467,12 +471,15 @@ def test_whiten_hand_computed():
 )
 def test_whiten_keep_mean_adds_the_mean_back(kwargs):
     out = F.masked_global_whiten(torch.tensor(WHITEN_X), torch.tensor(WHITEN_MASK), **kwargs)
-    expected = [[w + 2.5 if m else 0.0 for w, m in zip(wr, mr)] for wr, mr in zip(WHITENED, WHITEN_MASK)]
+    expected = [
+        [w + 2.5 if m else 0.0 for w, m in zip(w_row, m_row)] for w_row, m_row in zip(WHITENED, WHITEN_MASK)
+    ]
     assert_close(out, expected)
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"keep_mean": False}, {"shift_mean": True}, {"shift_mean": True, "keep_mean": False}]
+    "kwargs",
+    [{}, {"keep_mean": False}, {"shift_mean": True}, {"shift_mean": True, "keep_mean": False}],
 )
 def test_whiten_default_and_keep_mean_false_shift(kwargs):
     out = F.masked_global_whiten(torch.tensor(WHITEN_X), torch.tensor(WHITEN_MASK), **kwargs)
@@ -482,7 +489,9 @@ def test_whiten_default_and_keep_mean_false_shift(kwargs):
 @pytest.mark.parametrize("shift_mean,keep_mean", [(True, True), (False, False)])
 def test_whiten_disagreeing_flags_raise(shift_mean, keep_mean):
     with pytest.raises(ValueError, match="shift_mean=.*keep_mean=.*disagree"):
-        F.masked_global_whiten(torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), shift_mean, keep_mean=keep_mean)
+        F.masked_global_whiten(
+            torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), shift_mean, keep_mean=keep_mean
+        )
 
 
 def test_whiten_padding_columns_do_not_change_valid_entries():
@@ -605,7 +614,9 @@ def test_clipped_surrogate_hand_computed():
 
 def test_clipped_surrogate_rejects_negative_cliprange():
     with pytest.raises(ValueError, match="cliprange"):
-        F.masked_clipped_surrogate(torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), -0.2)
+        F.masked_clipped_surrogate(
+            torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), -0.2
+        )
 
 
 def test_clipped_value_loss_hand_computed():
@@ -622,7 +633,9 @@ def test_clipped_value_loss_hand_computed():
     # 0.5 * (3.24 + 0.09 + 1.21 + 4) / 4 = 0.5 * 2.135 = 1.0675
     assert_close(loss, 1.0675)
     assert_close(clipfrac, 0.5)
-    unclipped_loss, unclipped_frac = F.masked_clipped_value_loss(new_values, old_values, returns, mask, None)
+    unclipped_loss, unclipped_frac = F.masked_clipped_value_loss(
+        new_values, old_values, returns, mask, None
+    )
     assert_close(unclipped_loss, 0.5 * (1.0 + 0.0 + 1.21 + 4.0) / 4)  # = 0.77625
     assert unclipped_frac.item() == 0.0
 
@@ -635,7 +648,9 @@ def naive_log_softmax(row, index):
 
 
 def test_logprobs_from_logits_hand_computed():
-    logits = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]], [[0.0, math.log(2.0), 0.0], [-1.0, 0.0, 5.0]]])
+    logits = torch.tensor(
+        [[[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]], [[0.0, math.log(2.0), 0.0], [-1.0, 0.0, 5.0]]]
+    )
     tokens = torch.tensor([[1, 2], [1, 0]])
     out = F.logprobs_from_logits(logits, tokens)
     # uniform over 3: -ln 3; 3 - ln(e + e^2 + e^3); p = 2/4: ln(1/2); -1 - ln(e^-1 + 1 + e^5)
@@ -653,7 +668,9 @@ def test_logprobs_from_logits_bf16_is_computed_in_fp32():
     out = F.logprobs_from_logits(logits, tokens)
     assert out.dtype == torch.float32
     rows = logits.float().tolist()
-    expected = [[naive_log_softmax(rows[b][t], tokens[b, t].item()) for t in range(4)] for b in range(3)]
+    expected = [
+        [naive_log_softmax(rows[b][t], tokens[b, t].item()) for t in range(4)] for b in range(3)
+    ]
     assert_close(out, expected)
 
 
@@ -666,12 +683,16 @@ def test_logprobs_from_logits_checks_shapes():
 
 def test_entropy_from_logits_hand_computed_and_banned_tokens():
     logits = torch.tensor(
-        [[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(2.0), -INF, -INF]], [[0.0, -INF, 0.0, -INF], [3.0, -INF, -INF, -INF]]],
+        [
+            [[0.0, 0.0, 0.0, 0.0], [0.0, math.log(2.0), -INF, -INF]],
+            [[0.0, -INF, 0.0, -INF], [3.0, -INF, -INF, -INF]],
+        ],
         requires_grad=True,
     )
     entropy = F.entropy_from_logits(logits)
     # uniform over 4: ln 4; p = (1/3, 2/3): ln 3 - (2/3) ln 2; uniform over 2: ln 2; one-hot: 0
-    assert_close(entropy, [[math.log(4.0), math.log(3.0) - 2.0 / 3.0 * math.log(2.0)], [math.log(2.0), 0.0]])
+    expected = [[math.log(4.0), math.log(3.0) - 2.0 / 3.0 * math.log(2.0)], [math.log(2.0), 0.0]]
+    assert_close(entropy, expected)
     entropy.sum().backward()
     assert torch.isfinite(logits.grad).all()  # -inf logits give 0 * -inf nowhere
 

@@ -105,7 +105,8 @@ def test_whitened_valid_entries_have_mean_zero_and_unit_variance(rollout):
 def test_gamma_lambda_one_gives_reverse_cumulative_reward_minus_value(rollout):
     rewards, values, _, _, _, mask = rollout
     lengths = mask.sum(dim=1).tolist()
-    expected, bound = torch.zeros(mask.shape, dtype=torch.float64), torch.zeros(mask.shape, dtype=torch.float64)
+    expected = torch.zeros(mask.shape, dtype=torch.float64)
+    bound = torch.zeros(mask.shape, dtype=torch.float64)
     for b, n in enumerate(lengths):  # A_t = sum(r[t:n]) - V_t, with Python floats
         r, v = rewards[b, :n].tolist(), values[b, :n].tolist()
         for t in range(n):
@@ -132,9 +133,8 @@ def test_appending_padding_columns_changes_nothing(rollout, gamma_lambda, extra,
         assert_normwise_close(longer[:, :length], original)
         assert_zero_outside(longer, padded_mask)
     for gae in (F.masked_gae, F.masked_gae_loop):
-        for original, longer in zip(
-            gae(rewards, values, mask, *gamma_lambda), gae(padded[0], padded[1], padded_mask, *gamma_lambda)
-        ):
+        longer_outputs = gae(padded[0], padded[1], padded_mask, *gamma_lambda)
+        for original, longer in zip(gae(rewards, values, mask, *gamma_lambda), longer_outputs):
             assert_normwise_close(longer[:, :length], original)
     whitened = F.masked_global_whiten(values, mask)
     assert_normwise_close(F.masked_global_whiten(padded[1], padded_mask)[:, :length], whitened)
