@@ -103,6 +103,16 @@ def test_forward_returns_logits_and_fp32_values_from_the_last_hidden_state(tok, 
     assert model.is_actor_critic and model.config is model.policy.get_base_model().config
 
 
+def test_values_stay_fp32_under_bf16_autocast(tok, ids):
+    model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=small_lora())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, values = model(ids)
+        hidden = model.policy(ids, output_hidden_states=True).hidden_states[-1]
+    assert values.dtype == torch.float32
+    # The value head itself ran in fp32 (bf16 would round to ~3 significant digits).
+    assert torch.equal(values, model.value_head(hidden.float()).squeeze(-1))
+
+
 def test_only_lora_and_value_head_train(tok, ids):
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=small_lora())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -212,7 +212,9 @@ class SharedActorCritic(nn.Module):
             hidden = output.hidden_states[-1]  # (B, L, H), after the final norm
         else:
             hidden = self._value_hidden_states(input_ids, attention_mask, position_ids)
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        # Outside autocast: under bf16 mixed precision nn.Linear would round values to bf16.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return output.logits, values.float()
 
     def _value_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
