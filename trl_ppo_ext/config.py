@@ -41,6 +41,10 @@ class PPOConfig(TRLPPOConfig):
             Clip range of the value loss around the rollout's values; ``None`` disables
             value clipping (on the command line, where argparse cannot parse ``None``, pass
             ``--cliprange_value inf``: clipping to +-inf is no clipping).
+        offload_reward_model (`bool`, defaults to `False`):
+            Keep the reward model on the CPU between scoring passes (single-GPU memory saver).
+        offload_ref_model (`bool`, defaults to `False`):
+            The same for a separate reference model.
     """
 
     entropy_coef: float = field(
@@ -63,6 +67,21 @@ class PPOConfig(TRLPPOConfig):
         default=0.2,
         metadata={"help": "Clip range of the value loss around the rollout values; None (or inf on the command line) "
             "disables value clipping."},
+    )
+
+    offload_reward_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the reward model in CPU memory and move it to the GPU only for the scoring pass of each "
+            "rollout, so the PPO update holds none of its weights. No effect without CUDA."
+        },
+    )
+    offload_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Same as offload_reward_model for a separate reference model (not needed when the reference "
+            "is the policy with its adapter disabled)."
+        },
     )
 
     def __post_init__(self):

@@ -12,6 +12,7 @@ in ``trl_ppo_ext.functional``.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import time
@@ -31,7 +32,9 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from . import functional as F
 from ._compat import TRLPPOConfig, TRLPPOTrainer, prepare_deepspeed, unwrap_model_for_generation
 from .config import PPOConfig
+from .offload import on_device
 from .policy_value import PolicyAndValue, score_at
+from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .rollout import (
     Rollout,
     finalize_responses,
@@ -42,6 +45,8 @@ from .rollout import (
     sequence_inputs,
 )
 
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -334,15 +339,27 @@ class PPOTrainer(TRLPPOTrainer):
         self.model_wrapped = self.model
 
     def _place_frozen_models(self) -> None:
-        device = self.accelerator.device
+        """Reward and reference models: on the training device, or parked on the CPU when
+        offloaded (moved in for each scoring pass, see ``score_rollout``)."""
+        for m in (self.unwrapped, self.ref_model, self.reward_model):
+            if m is not None and is_4bit_model(m):
+                make_4bit_cpu_safe(m)  # bitsandbytes' CPU repack breaks LoRA gradients
+        self.reward_model.eval().requires_grad_(False)
         if self.is_deepspeed_enabled:
             self.reward_model = prepare_deepspeed(self.reward_model, self.accelerator)
             if self.ref_model is not None:
                 self.ref_model = prepare_deepspeed(self.ref_model, self.accelerator)
             return
-        self.reward_model = self.reward_model.to(device).eval()
-        if self.ref_model is not None:
-            self.ref_model = self.ref_model.to(device)
+        cuda = self.accelerator.device.type == "cuda"
+        for name, offloaded in (("reward_model", self.args.offload_reward_model),
+                                ("ref_model", self.args.offload_ref_model)):
+            model = getattr(self, name)
+            if model is None:
+                continue
+            if offloaded and not cuda:
+                logger.info("%s offload has no effect without a CUDA device; it stays on %s.", name,
+                            self.accelerator.device)
+            setattr(self, name, model.to("cpu" if offloaded and cuda else self.accelerator.device))
 
     # ------------------------------------------------------------------ contexts
     @property
@@ -441,22 +458,31 @@ class PPOTrainer(TRLPPOTrainer):
         """Old log-probs and values, reference log-probs and RM scores: once each, per chunk.
 
         No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
+        Each frozen model is moved to the GPU once for all its chunks when offloaded.
         """
-        parts = defaultdict(list)
         chunk = self.args.local_rollout_forward_batch_size
-        for start in range(0, rollout.batch_size, chunk):
-            part = rollout.select(torch.arange(start, min(start + chunk, rollout.batch_size)))
-            inputs = sequence_inputs(part.queries, part.query_mask, part.responses, part.response_mask)
-            logprobs, values = self.policy_logprobs_and_values(self.unwrapped, part, inputs)
-            parts["logprobs"].append(logprobs)
-            parts["values"].append(values)
-            parts["ref_logprobs"].append(self.reference_logprobs(part, inputs))
-            parts["scores"].append(self.reward_scores(part, inputs))
+        parts = [rollout.select(torch.arange(s, min(s + chunk, rollout.batch_size)))
+                 for s in range(0, rollout.batch_size, chunk)]
+        inputs = [sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask) for p in parts]
+        logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in zip(parts, inputs)))
+        with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
+            ref_logprobs = [self.reference_logprobs(p, i) for p, i in zip(parts, inputs)]
+        with self._frozen_on_device(self.reward_model, self.args.offload_reward_model):
+            scores = [self.reward_scores(p, i) for p, i in zip(parts, inputs)]
         mask = rollout.response_mask
-        out = {k: torch.cat(v).float() for k, v in parts.items()}
-        for k in ("logprobs", "ref_logprobs", "values"):
-            out[k] = out[k].masked_fill(~mask, 0.0)
+        out = {
+            "logprobs": torch.cat(logprobs).float().masked_fill(~mask, 0.0),
+            "values": torch.cat(values).float().masked_fill(~mask, 0.0),
+            "ref_logprobs": torch.cat(ref_logprobs).float().masked_fill(~mask, 0.0),
+            "scores": torch.cat(scores).float(),
+        }
         return Rollout(**{**{f.name: getattr(rollout, f.name) for f in fields(rollout)}, **out})
+
+    def _frozen_on_device(self, model, offloaded: bool):
+        """Bring an offloaded frozen model to the training device for one block."""
+        if model is None or not offloaded or self.is_deepspeed_enabled:
+            return nullcontext()
+        return on_device(model, self.accelerator.device)
 
     def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``, from one forward of the policy/value module.

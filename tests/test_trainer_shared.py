@@ -1,0 +1,133 @@
+"""PPOTrainer with the shared-backbone LoRA actor-critic (reference = disabled adapter), on CPU."""
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from conftest import prompt_dataset, tiny_config
+from test_trainer import _assert_metrics
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.modeling import SharedActorCritic
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
+
+
+def _lora():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      task_type="CAUSAL_LM")
+
+
+def _split_params(ac: SharedActorCritic):
+    trainable = {k: v.detach().clone() for k, v in ac.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach().clone() for k, v in ac.named_parameters() if not v.requires_grad}
+    return trainable, frozen
+
+
+def test_shared_actor_critic_trains_adapter_and_head_only_and_round_trips(tmp_path):
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    ac = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=_lora())
+    trainable, frozen = _split_params(ac)
+    assert any("value_head" in k for k in trainable) and any("lora_" in k for k in trainable)
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path, num_ppo_epochs=2), processing_class=tok, model=ac, ref_model=None,
+        reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok), value_model=None,
+    )
+    assert trainer.ref_model is None
+    trainer.train()
+    _assert_metrics(trainer, n_updates=2)
+    now = dict(ac.named_parameters())
+    assert not torch.equal(now["value_head.weight"], trainable["value_head.weight"])
+    assert any(not torch.equal(now[k], v) for k, v in trainable.items() if "lora_B" in k)
+    assert all(torch.equal(now[k], v) for k, v in frozen.items()), "a base parameter changed"
+
+    out = tmp_path / "saved"
+    trainer.save_model(str(out))
+    reloaded = SharedActorCritic.from_pretrained(build_tiny_causal_lm(tok), out)
+    ids = torch.tensor([[7, 8, 9, 3, 10]])
+    ac.eval(), reloaded.eval()
+    with torch.no_grad():
+        (l1, v1), (l2, v2) = ac(input_ids=ids), reloaded(input_ids=ids)
+    assert torch.equal(l1, l2) and torch.equal(v1, v2)
+
+
+def test_plain_policy_with_peft_config_and_no_value_model_builds_the_shared_model(tmp_path):
+    tok = build_tiny_tokenizer()
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=build_tiny_causal_lm(tok),
+        ref_model=None, reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok),
+        value_model=None, peft_config=_lora(),
+    )
+    assert isinstance(trainer.unwrapped, SharedActorCritic)
+    trainer.train()
+    _assert_metrics(trainer, n_updates=1)
+
+
+def test_reference_logprobs_equal_the_untouched_base(tmp_path):
+    """After training, the disabled adapter still gives the base model's log-probs."""
+    tok = build_tiny_tokenizer()
+    ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=_lora())
+    untouched = build_tiny_causal_lm(tok, seed=0)
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path), processing_class=tok, model=ac, ref_model=None,
+        reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok), value_model=None,
+    )
+    trainer.train()
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    from trl_ppo_ext.rollout import response_logits, sequence_inputs
+    from trl_ppo_ext.functional import logprobs_from_logits
+
+    ids, attn, pos = sequence_inputs(rollout.queries, rollout.query_mask, rollout.responses, rollout.response_mask)
+    with torch.no_grad():
+        logits = untouched(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    P, T = rollout.queries.shape[1], rollout.responses.shape[1]
+    expected = logprobs_from_logits(response_logits(logits, P, T, trainer.args.temperature), rollout.responses)
+    expected = expected.masked_fill(~rollout.response_mask, 0)
+    assert torch.allclose(rollout.ref_logprobs, expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(rollout.logprobs, expected, atol=1e-4), "the adapter did not change the policy"
+
+
+def test_4bit_base_trains_one_ppo_step(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from trl_ppo_ext.modeling import load_actor_critic
+
+    tok = build_tiny_tokenizer()
+    base_dir = tmp_path / "base"
+    build_tiny_causal_lm(tok, hidden_size=64, num_heads=4).save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    ac = load_actor_critic(str(base_dir), lora_r=4, lora_alpha=8, load_in_4bit=True)
+    trainable, _ = _split_params(ac)
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path, total_episodes=4, offload_reward_model=True), processing_class=tok, model=ac,
+        ref_model=None, reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok),
+        value_model=None,
+    )
+    trainer.train()
+    _assert_metrics(trainer, n_updates=1)
+    now = dict(ac.named_parameters())
+    assert not torch.equal(now["value_head.weight"], trainable["value_head.weight"])
+
+
+def test_error_shared_model_with_separate_value_model(tmp_path):
+    tok = build_tiny_tokenizer()
+    ac = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=_lora())
+    with pytest.raises(ValueError, match=r"has its own value head.*Pass value_model=None"):
+        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=ac, ref_model=None,
+                   reward_model=build_tiny_scorer(tok), train_dataset=prompt_dataset(tok),
+                   value_model=build_tiny_scorer(tok))
+
+
+def test_error_no_value_model_and_no_peft_config(tmp_path):
+    tok = build_tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"value_model=None asks for a shared-backbone value head.*peft_config"):
+        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=build_tiny_causal_lm(tok),
+                   ref_model=None, reward_model=build_tiny_scorer(tok), train_dataset=prompt_dataset(tok),
+                   value_model=None)
+
+
+def test_error_reward_model_without_scalar_head(tmp_path):
+    tok = build_tiny_tokenizer()
+    rm = build_tiny_scorer(tok)
+    rm.config.num_labels = 2
+    with pytest.raises(ValueError, match=r"`reward_model` has num_labels=2.*num_labels=1"):
+        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=build_tiny_causal_lm(tok),
+                   ref_model=None, reward_model=rm, train_dataset=prompt_dataset(tok),
+                   value_model=build_tiny_scorer(tok))
