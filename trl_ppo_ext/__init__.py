@@ -7,7 +7,10 @@ import importlib
 
 __version__ = "0.1.0.dev0"
 
-from ._compat import TRL_MAX, TRL_MIN  # noqa: E402  (the TRL version check runs here)
+from ._compat import TRL_MAX, TRL_MIN, check_trl_version  # noqa: E402
+
+# Cheap (reads package metadata): an unsupported TRL fails here, with the supported range.
+check_trl_version()
 
 # Public names, imported on first use so that `import trl_ppo_ext.functional` stays light.
 _LAZY = {

@@ -75,9 +75,22 @@ def load_trl_ppo():
     )
 
 
-TRLPPOTrainer, TRLPPOConfig, _ppo_module = load_trl_ppo()
-# The trainer module itself (helpers such as ``unwrap_model_for_generation`` live near it).
-trl_ppo_trainer_module = importlib.import_module(TRLPPOTrainer.__module__)
+_LOADED: dict = {}
+
+
+def __getattr__(name):
+    # TRL's classes are looked up on first use: importing TRL takes seconds, and
+    # `trl_ppo_ext.functional` or `trl_ppo_ext.tiny` alone do not need it.
+    if name in ("TRLPPOTrainer", "TRLPPOConfig", "trl_ppo_trainer_module"):
+        if not _LOADED:
+            trainer, config, _ = load_trl_ppo()
+            _LOADED.update(
+                TRLPPOTrainer=trainer,
+                TRLPPOConfig=config,
+                trl_ppo_trainer_module=importlib.import_module(trainer.__module__),
+            )
+        return _LOADED[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def unwrap_model_for_generation(*args, **kwargs):
@@ -89,7 +102,7 @@ def unwrap_model_for_generation(*args, **kwargs):
 
 def prepare_deepspeed(model, accelerator):
     """TRL's helper that wraps a frozen model in a DeepSpeed inference engine."""
-    fn = getattr(trl_ppo_trainer_module, "prepare_deepspeed", None)
+    fn = getattr(__getattr__("trl_ppo_trainer_module"), "prepare_deepspeed", None)
     if fn is None:  # pragma: no cover - location differs across 1.x
         from trl.trainer.utils import prepare_deepspeed as fn
     return fn(model, accelerator)
