@@ -1,0 +1,471 @@
+"""Guard rails checked every PPO update: stop a run that has stopped learning anything useful.
+
+What to stop on follows the design note ("Stop when"): nonfinite values repeat; the value
+function diverges; KL, entropy or length leave their range; clip fraction or stale rollouts
+are excessive; reward rises without held-out improvement (reward hacking).
+
+The trainer drives a :class:`GuardRails` with
+
+* ``nonfinite_step(update)`` / ``finite_step()`` after every optimizer step (skipped because
+  the loss or gradient norm was NaN/inf, or taken);
+* ``stale_rollout(update)`` / ``fresh_rollout()`` for every rollout it discards for being
+  older than ``max_rollout_age`` / accepts;
+* ``check(metrics, update)`` once per update, with the update's logged metrics.
+
+Each returns a :class:`GuardDecision`; ``decision.figures`` (``guard/<name>`` keys) are meant
+to be logged every update, ``decision.halt`` says stop. Every guard is off when its threshold
+is None. Guards are deterministic functions of the metrics, so processes that see the same
+(gathered) metrics reach the same decision.
+
+Thresholds that count updates are "patience" values: a guard with patience ``K`` fires at
+the ``K``-th consecutive update in violation, not before. A nonfinite figure (NaN/inf) is
+never within bounds, so it counts as a violation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+# The trainer's log keys (``PPOTrainer.log_update``) that the guards read.
+KEY_VALUE_LOSS = "loss/value_avg"
+KEY_EXPLAINED_VARIANCE = "val/explained_variance"
+KEY_KL = "objective/kl"
+KEY_ENTROPY = "policy/entropy_avg"
+KEY_LENGTH = "val/response_length"
+KEY_CLIP_FRACTION = "policy/clipfrac_avg"
+KEY_SCORE = "objective/scores"
+
+# Guard names, in the order they take precedence when several fire at the same update.
+GUARD_NAMES = (
+    "nonfinite", "value_divergence", "kl_range", "entropy_range", "length_range",
+    "clip_fraction", "stale_rollouts", "reward_hacking",
+)
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class GuardSettings:
+    """Thresholds of the guard rails; None turns a guard off.
+
+    Defaults are on only where the condition means the run is broken whatever the task, the
+    reward scale or the response length; scale-dependent ranges are off until you set them.
+    See each field's help for the reason behind its default.
+    """
+
+    nonfinite_halt_after: int | None = field(default=3, metadata=_help(
+        "Halt after this many consecutive optimizer steps skipped for a NaN/inf loss or gradient norm. "
+        "Default 3: one skipped step can be a transient fp16 overflow; three in a row means the weights, "
+        "the reward or the learning rate are broken and every further step is wasted compute."))
+    max_value_loss: float | None = field(default=None, metadata=_help(
+        "Value divergence: `loss/value_avg` above this (for value_patience updates) fires. Default off: "
+        "the value loss scales with the square of the reward scale, so no bound is portable."))
+    min_explained_variance: float | None = field(default=-1.0, metadata=_help(
+        "Value divergence: `val/explained_variance` below this (for value_patience updates) fires. "
+        "Default -1.0: below it the critic's error variance is more than twice the returns' variance, so its "
+        "advantages are noisier than a constant baseline's; scale-free, so one default fits every task."))
+    value_patience: int = field(default=10, metadata=_help(
+        "Consecutive updates the value bounds must be violated before the guard fires. Default 10: a fresh "
+        "critic (random head, or initialised from the reward model) needs a few updates to fit the returns."))
+    kl_min: float | None = field(default=None, metadata=_help(
+        "Lower bound of `objective/kl` (per-sequence KL to the reference, nats). Default off."))
+    kl_max: float | None = field(default=None, metadata=_help(
+        "Upper bound of `objective/kl`. Default off: the per-sequence KL grows with the response length and "
+        "with a smaller kl_coef, so a healthy value for one run is a blow-up for another. A few times the "
+        "adaptive controller's target is a reasonable setting."))
+    entropy_min: float | None = field(default=None, metadata=_help(
+        "Lower bound of `policy/entropy_avg` (mean per-token entropy, nats); catches collapse to "
+        "deterministic text. Default off: healthy entropy depends on the model and the temperature."))
+    entropy_max: float | None = field(default=None, metadata=_help(
+        "Upper bound of `policy/entropy_avg`; catches degeneration into noise. Default off."))
+    length_min: float | None = field(default=None, metadata=_help(
+        "Lower bound of `val/response_length` (mean response tokens). Default off: task dependent."))
+    length_max: float | None = field(default=None, metadata=_help(
+        "Upper bound of `val/response_length`. Default off: task dependent (and capped by response_length)."))
+    range_patience: int = field(default=3, metadata=_help(
+        "Consecutive updates KL, entropy or length must be out of range before their guard fires. Default "
+        "3: these are single-batch means, and one unlucky batch should not stop a run."))
+    max_clip_fraction: float | None = field(default=0.5, metadata=_help(
+        "Halt when `policy/clipfrac_avg` stays above this for clip_patience updates. Default 0.5: healthy "
+        "PPO clips 0-0.3 of tokens; when most tokens sit outside the trust region every update, the update is "
+        "too aggressive (learning rate, epochs) for the clipped objective to mean anything."))
+    clip_patience: int = field(default=10, metadata=_help(
+        "Consecutive updates above max_clip_fraction before the guard fires. Default 10 (as value_patience)."))
+    stale_halt_after: int | None = field(default=5, metadata=_help(
+        "Halt when this many consecutive rollouts were discarded as older than max_rollout_age. Default 5: "
+        "each discard wastes a generation pass, and five in a row mean the age limit cannot be met by the "
+        "schedule, so the trainer would otherwise regenerate forever. Inert when max_rollout_age is unset."))
+    reward_hacking_metric: str | None = field(default=None, metadata=_help(
+        "Held-out metric that must improve when the RM score does, e.g. 'eval/win_rate' (a name without "
+        "'/' gets the 'eval/' prefix). Default None: the reward-hacking guard is off."))
+    reward_hacking_metric_mode: Literal["max", "min"] = field(default="max", metadata=_help(
+        "'max' if a higher held-out value is better (win rate, accuracy), 'min' if lower is (toxicity)."))
+    reward_hacking_window: int = field(default=20, metadata=_help(
+        "Updates compared, as two halves: the mean of the last window/2 against the mean of the window/2 "
+        "before them. Even, >= 2. Default 20. The held-out metric must be logged at least once in each "
+        "half, so evaluate at least every window/2 updates."))
+    reward_hacking_margin: float = field(default=0.0, metadata=_help(
+        "The RM score counts as risen when its half-window mean rose by more than this (RM units). "
+        "Default 0.0 (any rise); raise it to ignore noise-sized rises."))
+    reward_hacking_heldout_min_gain: float = field(default=0.0, metadata=_help(
+        "The held-out metric counts as improved when its half-window mean improved (in the direction of "
+        "reward_hacking_metric_mode) by more than this. Default 0.0 (any improvement)."))
+
+    def __post_init__(self) -> None:
+        for name in ("nonfinite_halt_after", "stale_halt_after", "value_patience", "range_patience",
+                     "clip_patience"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"GuardSettings.{name} must be an int >= 1 (or None where allowed), got {value!r}.")
+        for low, high in (("kl_min", "kl_max"), ("entropy_min", "entropy_max"), ("length_min", "length_max")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"GuardSettings.{low}={lo} is above {high}={hi}; swap them or set one to None.")
+        if self.max_clip_fraction is not None and not 0.0 <= self.max_clip_fraction < 1.0:
+            raise ValueError(
+                f"GuardSettings.max_clip_fraction must be in [0, 1) (a fraction of tokens), got "
+                f"{self.max_clip_fraction}; use None to turn the clip-fraction guard off."
+            )
+        self._check_reward_hacking()
+
+    def _check_reward_hacking(self) -> None:
+        window = self.reward_hacking_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2 or window % 2:
+            raise ValueError(
+                f"GuardSettings.reward_hacking_window must be an even int >= 2 (two halves are compared), got "
+                f"{window!r}; e.g. 20."
+            )
+        if self.reward_hacking_metric_mode not in ("max", "min"):
+            raise ValueError(
+                f"GuardSettings.reward_hacking_metric_mode must be 'max' or 'min', got "
+                f"{self.reward_hacking_metric_mode!r}."
+            )
+        if self.reward_hacking_metric is not None and "/" not in self.reward_hacking_metric:
+            self.reward_hacking_metric = f"eval/{self.reward_hacking_metric}"
+
+    @classmethod
+    def all_off(cls, **overrides) -> GuardSettings:
+        """Every guard off; ``overrides`` turn single ones on, e.g. ``all_off(kl_max=20.0)``."""
+        off = dict(
+            nonfinite_halt_after=None, min_explained_variance=None, max_clip_fraction=None, stale_halt_after=None
+        )
+        return cls(**{**off, **overrides})
+
+
+@dataclass
+class GuardDecision:
+    """What the guards say after an update (or after a skipped step / discarded rollout)."""
+
+    halt: bool  # stop training now
+    guard: str | None  # the guard that fired (one of GUARD_NAMES), None when none did
+    message: str  # why: the guard, the values, the threshold and the update; "" when none fired
+    figures: dict[str, float]  # each enabled guard's current figure under `guard/<name>` keys, to log
+
+    @classmethod
+    def keep_going(cls, figures: dict[str, float]) -> GuardDecision:
+        return cls(halt=False, guard=None, message="", figures=figures)
+
+
+def _fmt(value: float | None) -> str:
+    return "None" if value is None else f"{value:.6g}"
+
+
+def _outside(value: float, low: float | None, high: float | None) -> bool:
+    """True when ``value`` is not within ``[low, high]`` (an open side is None); NaN/inf always are."""
+    if not math.isfinite(value):
+        return True
+    return (low is not None and value < low) or (high is not None and value > high)
+
+
+class GuardRails:
+    """Stateful guard rails; see the module docstring for the protocol.
+
+    Args:
+        settings: thresholds; default ``GuardSettings()``.
+    """
+
+    def __init__(self, settings: GuardSettings | None = None) -> None:
+        self.settings = settings if settings is not None else GuardSettings()
+        self._streaks = {name: 0 for name in GUARD_NAMES}  # consecutive updates in violation
+        self._nonfinite_run = 0  # consecutive skipped optimizer steps, now
+        self._nonfinite_peak = 0  # longest such run since the last check()
+        self._nonfinite_total = 0
+        self._stale_run = 0  # consecutive discarded rollouts, now
+        self._stale_total = 0
+        # (update, RM score, held-out value or None) of the last reward_hacking_window updates.
+        self._history: deque = deque(maxlen=self.settings.reward_hacking_window)
+
+    # ------------------------------------------------------------------ events
+    def nonfinite_step(self, update: int) -> GuardDecision:
+        """Record an optimizer step skipped for a NaN/inf loss or gradient norm during ``update``."""
+        self._nonfinite_run += 1
+        self._nonfinite_total += 1
+        self._nonfinite_peak = max(self._nonfinite_peak, self._nonfinite_run)
+        message = self._nonfinite_message(self._nonfinite_run, update)
+        figures = self._event_figures()
+        return GuardDecision(True, "nonfinite", message, figures) if message else GuardDecision.keep_going(figures)
+
+    def finite_step(self) -> None:
+        """Record an optimizer step that was taken: the run of skipped steps ends."""
+        self._nonfinite_run = 0
+
+    def stale_rollout(self, update: int) -> GuardDecision:
+        """Record a rollout discarded during ``update`` for being older than ``max_rollout_age``."""
+        self._stale_run += 1
+        self._stale_total += 1
+        message = self._stale_message(update)
+        figures = self._event_figures()
+        return GuardDecision(True, "stale_rollouts", message, figures) if message else GuardDecision.keep_going(figures)
+
+    def fresh_rollout(self) -> None:
+        """Record a rollout that was accepted: the run of discarded rollouts ends."""
+        self._stale_run = 0
+
+    # ------------------------------------------------------------------ per update
+    def check(self, metrics: dict[str, float], update: int) -> GuardDecision:
+        """Evaluate every enabled guard on one update's logged metrics.
+
+        Every guard's counters advance even when an earlier one fires, so the state after
+        ``check`` does not depend on which guard took precedence.
+
+        Args:
+            metrics: the update's metrics under the trainer's log keys (``loss/value_avg``,
+                ``val/explained_variance``, ``objective/kl``, ``policy/entropy_avg``,
+                ``val/response_length``, ``policy/clipfrac_avg``, ``objective/scores`` and, when
+                evaluated this update, ``eval/<name>``).
+            update: the update number, for messages.
+
+        Returns:
+            The decision of the first guard that fired (in ``GUARD_NAMES`` order), else
+            ``halt=False``; ``figures`` always holds every enabled guard's figure.
+
+        Raises:
+            ValueError: an enabled guard's metric is missing from ``metrics``.
+        """
+        figures: dict[str, float] = {}
+        fired: list[tuple[str, str]] = []
+        for name, guard in (
+            ("nonfinite", self._check_nonfinite),
+            ("value_divergence", self._check_value),
+            ("kl_range", self._check_kl),
+            ("entropy_range", self._check_entropy),
+            ("length_range", self._check_length),
+            ("clip_fraction", self._check_clip_fraction),
+            ("stale_rollouts", self._check_stale),
+            ("reward_hacking", self._check_reward_hacking),
+        ):
+            message = guard(metrics, update, figures)
+            if message:
+                fired.append((name, message))
+        if not fired:
+            return GuardDecision.keep_going(figures)
+        name, message = fired[0]
+        if len(fired) > 1:
+            message += f" (Also fired: {', '.join(other for other, _ in fired[1:])}.)"
+        return GuardDecision(halt=True, guard=name, message=message, figures=figures)
+
+    # ------------------------------------------------------------------ single guards
+    def _check_nonfinite(self, metrics, update, figures) -> str:
+        if self.settings.nonfinite_halt_after is None:
+            return ""
+        figures["guard/nonfinite"] = float(self._nonfinite_run)
+        figures["guard/nonfinite_total"] = float(self._nonfinite_total)
+        peak, self._nonfinite_peak = self._nonfinite_peak, self._nonfinite_run
+        return self._nonfinite_message(peak, update)
+
+    def _nonfinite_message(self, run: int, update: int) -> str:
+        limit = self.settings.nonfinite_halt_after
+        if limit is None or run < limit:
+            return ""
+        return (
+            f"Guard 'nonfinite' halted training at update {update}: {run} consecutive optimizer steps were skipped "
+            f"because the loss or gradient norm was NaN/inf (threshold nonfinite_halt_after={limit}; "
+            f"{self._nonfinite_total} skipped in total). Lower the learning rate, check the reward scale, or "
+            "train in bf16/fp32 instead of fp16."
+        )
+
+    def _check_value(self, metrics, update, figures) -> str:
+        s = self.settings
+        if s.max_value_loss is None and s.min_explained_variance is None:
+            return ""
+        broken = []
+        if s.max_value_loss is not None:
+            loss = _metric(metrics, KEY_VALUE_LOSS, "value_divergence", "max_value_loss")
+            if _outside(loss, None, s.max_value_loss):
+                broken.append(f"{KEY_VALUE_LOSS}={_fmt(loss)} above max_value_loss={_fmt(s.max_value_loss)}")
+        if s.min_explained_variance is not None:
+            ev = _metric(metrics, KEY_EXPLAINED_VARIANCE, "value_divergence", "min_explained_variance")
+            if _outside(ev, s.min_explained_variance, None):
+                broken.append(
+                    f"{KEY_EXPLAINED_VARIANCE}={_fmt(ev)} below min_explained_variance={_fmt(s.min_explained_variance)}"
+                )
+        streak = self._advance("value_divergence", bool(broken), figures)
+        if streak < s.value_patience:
+            return ""
+        return (
+            f"Guard 'value_divergence' halted training at update {update}: {' and '.join(broken)}, for {streak} "
+            f"consecutive updates (value_patience={s.value_patience}). The critic is diverging: lower the learning "
+            "rate or vf_coef, enable cliprange_value, or check the reward scale (whiten_rewards)."
+        )
+
+    def _check_kl(self, metrics, update, figures) -> str:
+        return self._range_guard("kl_range", KEY_KL, "kl", metrics, update, figures)
+
+    def _check_entropy(self, metrics, update, figures) -> str:
+        return self._range_guard("entropy_range", KEY_ENTROPY, "entropy", metrics, update, figures)
+
+    def _check_length(self, metrics, update, figures) -> str:
+        return self._range_guard("length_range", KEY_LENGTH, "length", metrics, update, figures)
+
+    def _range_guard(self, name: str, key: str, prefix: str, metrics, update, figures) -> str:
+        low, high = getattr(self.settings, f"{prefix}_min"), getattr(self.settings, f"{prefix}_max")
+        if low is None and high is None:
+            return ""
+        value = _metric(metrics, key, name, f"{prefix}_min/{prefix}_max")
+        streak = self._advance(name, _outside(value, low, high), figures)
+        patience = self.settings.range_patience
+        if streak < patience:
+            return ""
+        return (
+            f"Guard '{name}' halted training at update {update}: {key}={_fmt(value)} outside "
+            f"[{prefix}_min={_fmt(low)}, {prefix}_max={_fmt(high)}] for {streak} consecutive updates "
+            f"(range_patience={patience})."
+        )
+
+    def _check_clip_fraction(self, metrics, update, figures) -> str:
+        bound = self.settings.max_clip_fraction
+        if bound is None:
+            return ""
+        value = _metric(metrics, KEY_CLIP_FRACTION, "clip_fraction", "max_clip_fraction")
+        streak = self._advance("clip_fraction", _outside(value, None, bound), figures)
+        patience = self.settings.clip_patience
+        if streak < patience:
+            return ""
+        return (
+            f"Guard 'clip_fraction' halted training at update {update}: {KEY_CLIP_FRACTION}={_fmt(value)} above "
+            f"max_clip_fraction={_fmt(bound)} for {streak} consecutive updates (clip_patience={patience}). The "
+            "policy moves too far per update: lower the learning rate, num_ppo_epochs or cliprange."
+        )
+
+    def _check_stale(self, metrics, update, figures) -> str:
+        if self.settings.stale_halt_after is None:
+            return ""
+        figures["guard/stale_rollouts"] = float(self._stale_run)
+        figures["guard/stale_rollouts_total"] = float(self._stale_total)
+        return self._stale_message(update)
+
+    def _stale_message(self, update: int) -> str:
+        limit = self.settings.stale_halt_after
+        if limit is None or self._stale_run < limit:
+            return ""
+        return (
+            f"Guard 'stale_rollouts' halted training at update {update}: {self._stale_run} consecutive rollouts "
+            f"were discarded as older than max_rollout_age (threshold stale_halt_after={limit}; "
+            f"{self._stale_total} discarded in total). Raise max_rollout_age or lower num_ppo_epochs * "
+            "num_mini_batches so rollouts are consumed in time."
+        )
+
+    def _check_reward_hacking(self, metrics, update, figures) -> str:
+        s = self.settings
+        if s.reward_hacking_metric is None:
+            return ""
+        score = _metric(metrics, KEY_SCORE, "reward_hacking", "reward_hacking_metric")
+        heldout = metrics.get(s.reward_hacking_metric)
+        self._history.append((update, score, None if heldout is None else float(heldout)))
+        rises = _half_window_rises(list(self._history), s.reward_hacking_window)
+        if rises is None:
+            return ""
+        score_rise, heldout_rise = rises
+        figures["guard/reward_hacking_score_rise"] = score_rise
+        if heldout_rise is None:
+            return ""
+        gain = heldout_rise if s.reward_hacking_metric_mode == "max" else -heldout_rise
+        figures["guard/reward_hacking_heldout_gain"] = gain
+        if not (score_rise > s.reward_hacking_margin and gain <= s.reward_hacking_heldout_min_gain):
+            return ""
+        first, last = self._history[0][0], self._history[-1][0]
+        return (
+            f"Guard 'reward_hacking' halted training at update {update}: over updates {first}-{last} the mean "
+            f"{KEY_SCORE} rose by {_fmt(score_rise)} (> reward_hacking_margin={_fmt(s.reward_hacking_margin)}) "
+            f"between the first and second half of the window, while {s.reward_hacking_metric} improved by only "
+            f"{_fmt(gain)} (needs > reward_hacking_heldout_min_gain={_fmt(s.reward_hacking_heldout_min_gain)}). "
+            "The policy is likely exploiting the reward model; keep the last-known-good checkpoint and inspect "
+            "samples."
+        )
+
+    def _advance(self, name: str, violated: bool, figures: dict[str, float]) -> int:
+        """Extend or reset ``name``'s streak of violating updates; log it as ``guard/<name>``."""
+        self._streaks[name] = self._streaks[name] + 1 if violated else 0
+        figures[f"guard/{name}"] = float(self._streaks[name])
+        return self._streaks[name]
+
+    def _event_figures(self) -> dict[str, float]:
+        return {
+            "guard/nonfinite": float(self._nonfinite_run), "guard/nonfinite_total": float(self._nonfinite_total),
+            "guard/stale_rollouts": float(self._stale_run), "guard/stale_rollouts_total": float(self._stale_total),
+        }
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        """Every counter and the reward-hacking window; JSON-serialisable (NaN allowed)."""
+        return {
+            "streaks": dict(self._streaks),
+            "nonfinite_run": self._nonfinite_run, "nonfinite_peak": self._nonfinite_peak,
+            "nonfinite_total": self._nonfinite_total,
+            "stale_run": self._stale_run, "stale_total": self._stale_total,
+            "history": [list(item) for item in self._history],
+            "settings": asdict(self.settings),  # informational: the thresholds in force when saved
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore counters saved by :meth:`state_dict`. Thresholds stay those of ``self.settings``."""
+        missing = {"streaks", "nonfinite_run", "nonfinite_peak", "nonfinite_total", "stale_run", "stale_total",
+                   "history"} - set(state)
+        if missing:
+            raise ValueError(
+                f"Guard state is missing {sorted(missing)}; it was not written by GuardRails.state_dict(). "
+                "Resume from a checkpoint saved by this package, or start the guards fresh."
+            )
+        self._streaks = {name: int(state["streaks"].get(name, 0)) for name in GUARD_NAMES}
+        self._nonfinite_run, self._nonfinite_peak = int(state["nonfinite_run"]), int(state["nonfinite_peak"])
+        self._nonfinite_total = int(state["nonfinite_total"])
+        self._stale_run, self._stale_total = int(state["stale_run"]), int(state["stale_total"])
+        self._history = deque(
+            ((int(u), float(s), None if h is None else float(h)) for u, s, h in state["history"]),
+            maxlen=self.settings.reward_hacking_window,
+        )
+
+
+def _metric(metrics: dict[str, float], key: str, guard: str, setting: str) -> float:
+    if key not in metrics:
+        raise ValueError(
+            f"Guard '{guard}' is on but metrics has no {key!r} (keys: {sorted(metrics)}). Pass the trainer's "
+            f"logged metrics, or turn the guard off (GuardSettings.{setting}=None)."
+        )
+    return float(metrics[key])
+
+
+def _half_window_rises(history: list, window: int) -> tuple[float, float | None] | None:
+    """``(score rise, held-out rise)`` between the two halves of a full window, else None.
+
+    The rise of a series is ``mean(second half) - mean(first half)``; the held-out rise
+    averages only the updates that logged the metric, and is None when a half has none.
+    """
+    if len(history) < window:
+        return None
+    first, second = history[: window // 2], history[window // 2 :]
+    score_rise = _mean([s for _, s, _ in second]) - _mean([s for _, s, _ in first])
+    held_first = [h for _, _, h in first if h is not None]
+    held_second = [h for _, _, h in second if h is not None]
+    if not held_first or not held_second:
+        return score_rise, None
+    return score_rise, _mean(held_second) - _mean(held_first)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
