@@ -266,3 +266,40 @@ def test_trl_config_is_accepted(tmp_path):
                          train_dataset=prompt_dataset(tok), value_model=value)
     assert isinstance(trainer.args, PPOConfig)
     assert trainer.args.entropy_coef == 0.0 and trainer.args.whiten_advantages is True
+
+
+def test_error_empty_prompt(tmp_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"`train_dataset` holds 1 empty prompt\(s\)"):
+        _build(tmp_path, dataset=Dataset.from_dict({"input_ids": [[7, 8], [], [9, 10], [11], [12, 13]]}))
+
+
+def test_error_prompt_longer_than_positions_minus_response_length(tmp_path):
+    from datasets import Dataset
+
+    # tiny models have max_position_embeddings=256; response_length=6 leaves 250 for the prompt
+    rows = [[7] * 3, [8] * 251, [9] * 250, [10] * 4]
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) longer than 250 tokens.*longest prompt: 251"):
+        _build(tmp_path, dataset=Dataset.from_dict({"input_ids": rows}))
+
+
+def test_response_length_zero_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"response_length must be >= 1.*got 0"):
+        tiny_config(tmp_path, response_length=0)
+
+
+def test_all_eos_responses_train(tmp_path):
+    """A policy that only ever emits EOS: one-token responses, still finite metrics."""
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok)
+    eos_bonus = 1e4 * torch.nn.functional.one_hot(torch.tensor(tok.eos_token_id), len(tok)).float()
+    policy.lm_head.register_forward_hook(lambda module, inputs, out: out + eos_bonus)  # EOS at every step
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+        train_dataset=prompt_dataset(tok), value_model=value,
+    )
+    trainer.train()
+    last = trainer.state.log_history[-1]
+    assert last["val/response_length"] == 1.0 and last["val/eos_rate"] == 1.0
+    _assert_metrics(trainer, n_updates=2)

@@ -138,6 +138,9 @@ class PPOTrainer(TRLPPOTrainer):
         self.train_dataset_len = len(train_dataset)
 
         wrapper = self._build_policy_and_value(model, value_model, peft_config)
+        self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
+        if eval_dataset is not None:
+            self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
         self.reward_model = reward_model
         self.ref_model = self._build_reference(model, ref_model)
         for m in (wrapper, self.ref_model, self.reward_model):
@@ -186,6 +189,32 @@ class PPOTrainer(TRLPPOTrainer):
             raise ValueError(
                 f"`reward_model` has num_labels={num_labels}; PPO needs a scalar score. Load it with "
                 "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
+            )
+
+    def _check_prompt_lengths(self, dataset, name: str, model_config) -> None:
+        """Every prompt non-empty and short enough to leave ``response_length`` positions."""
+        columns = getattr(dataset, "column_names", None)
+        if columns is None or "input_ids" not in columns:
+            return  # a torch Dataset: checked batch by batch during the rollout instead
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        empty = sum(n == 0 for n in lengths)
+        if empty:
+            raise ValueError(
+                f"`{name}` holds {empty} empty prompt(s) (input_ids of length 0). Drop them first, e.g. "
+                "`dataset.filter(lambda x: len(x['input_ids']) > 0)` or `trl_ppo_ext.data.render_prompts`."
+            )
+        max_positions = getattr(model_config, "max_position_embeddings", None)
+        if max_positions is None:
+            return
+        limit = max_positions - self.args.response_length
+        too_long = sum(n > limit for n in lengths)
+        if too_long:
+            raise ValueError(
+                f"`{name}` has {too_long} prompt(s) longer than {limit} tokens: the model has "
+                f"max_position_embeddings={max_positions} and response_length={self.args.response_length} leaves "
+                f"{limit} for the prompt (longest prompt: {max(lengths)}). Filter or truncate the prompts (e.g. "
+                "`trl_ppo_ext.data.render_prompts(..., response_length=..., max_length=...)` drops them), or lower "
+                "response_length."
             )
 
     @staticmethod
