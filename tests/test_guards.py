@@ -73,7 +73,8 @@ def test_everything_off_never_fires_and_needs_no_metrics():
 
 def test_an_enabled_guard_with_its_metric_missing_says_which():
     guards = GuardRails(GuardSettings.all_off(kl_max=10.0))
-    with pytest.raises(ValueError, match=r"Guard 'kl_range' is on but metrics has no 'objective/kl'.*kl_min/kl_max=None"):
+    expected = r"Guard 'kl_range' is on but metrics has no 'objective/kl'.*kl_min/kl_max=None"
+    with pytest.raises(ValueError, match=expected):
         guards.check({"loss/value_avg": 0.1}, 1)
 
 

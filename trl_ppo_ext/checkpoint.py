@@ -47,7 +47,9 @@ _RESUME_HINT = (
 # ---------------------------------------------------------------------- json
 def save_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> None:
     """Write ``obj`` as JSON to ``path`` atomically: a temporary file in the same folder, fsync,
-    ``os.replace``. A reader sees the old file or the new one, never a partial one.
+    ``os.replace``. A reader sees the old file or the new one, never a partial one. NaN and
+    inf are written as ``NaN``/``Infinity``, which :func:`load_json` reads back (the guards'
+    state may hold them); use ``manifest.to_jsonable`` first where strict JSON is needed.
 
     Raises:
         TypeError: ``obj`` is not JSON-serialisable (nothing is written then).

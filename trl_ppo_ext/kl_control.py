@@ -97,7 +97,8 @@ class AdaptiveKLController:
     def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
         self.value = _check_finite(
             "init_kl_coef", init_kl_coef, minimum=0.0, strict=True,
-            fix="The adaptive update multiplies beta, so it must start > 0; use FixedKLController(0.0) for no KL penalty.",
+            fix="The adaptive update multiplies beta, so it must start > 0; use FixedKLController(0.0) for no "
+            "KL penalty.",
         )
         self.target = _check_finite(
             "target", target, minimum=0.0, strict=True,
