@@ -201,7 +201,9 @@ def test_missing_eos_penalty_uses_the_configured_stop_token():
     )
     args = SimpleNamespace(missing_eos_penalty=0.5, kl_estimator="k1", kl_coef=0.1, whiten_rewards=False,
                            gamma=1.0, lam=1.0, whiten_advantages=False)
-    adv = PPOTrainer.compute_advantages(SimpleNamespace(args=args), rollout)
+    from trl_ppo_ext.kl_control import FixedKLController
+
+    adv = PPOTrainer.compute_advantages(SimpleNamespace(args=args, kl_controller=FixedKLController(0.1)), rollout)
     assert adv.scores.tolist() == [1.0, 0.5]
     # score lands on the last valid token: index 1 (the stop token) for row 0, index 2 for row 1
     assert adv.rewards.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.5]]

@@ -6,11 +6,12 @@ the fixes listed in the README. Readable by ``HfArgumentParser`` like every TRL 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from ._compat import TRLPPOConfig
 from .functional import KL_ESTIMATORS
+from .guards import GuardSettings
 
 
 def _bf16_available() -> bool:
@@ -20,8 +21,11 @@ def _bf16_available() -> bool:
 
 
 @dataclass
-class PPOConfig(TRLPPOConfig):
-    r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig`` plus:
+class PPOConfig(TRLPPOConfig, GuardSettings):
+    r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
+    guard-rail thresholds of [`trl_ppo_ext.guards.GuardSettings`] (``nonfinite_halt_after``,
+    ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
+    plus:
 
     Parameters:
         entropy_coef (`float`, defaults to `0.0`):
@@ -45,6 +49,15 @@ class PPOConfig(TRLPPOConfig):
             Keep the reward model on the CPU between scoring passes (single-GPU memory saver).
         offload_ref_model (`bool`, defaults to `False`):
             The same for a separate reference model.
+        adaptive_kl (`bool`, defaults to `False`):
+            Adapt the KL coefficient toward ``kl_target`` (Ziegler et al. 2019), starting from
+            ``kl_coef``: ``beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / kl_horizon``.
+        kl_target (`float`, defaults to `6.0`), kl_horizon (`float`, defaults to `10000`):
+            The adaptive controller's target per-sequence KL (nats) and horizon (episodes).
+        max_rollout_age (`int` or `None`, defaults to `None`):
+            Discard and regenerate a rollout sampled more than this many updates ago (policy
+            lag). ``None``: no limit. The synchronous trainer's rollouts have age 0; the limit
+            matters for asynchronous rollout producers (override ``produce_rollout``).
     """
 
     entropy_coef: float = field(
@@ -84,13 +97,34 @@ class PPOConfig(TRLPPOConfig):
         },
     )
 
+    adaptive_kl: bool = field(
+        default=False,
+        metadata={"help": "Adapt the KL coefficient toward kl_target (Ziegler et al. 2019), starting from kl_coef."},
+    )
+    kl_target: float = field(
+        default=6.0, metadata={"help": "Adaptive KL: target per-sequence KL to the reference (nats)."}
+    )
+    kl_horizon: float = field(default=10000, metadata={"help": "Adaptive KL: horizon in episodes."})
+    max_rollout_age: int | None = field(
+        default=None,
+        metadata={
+            "help": "Discard and regenerate rollouts sampled more than this many updates ago (policy lag). "
+            "None: no limit."
+        },
+    )
+
+    def guard_settings(self) -> GuardSettings:
+        """The guard-rail thresholds of this config, as a ``GuardSettings``."""
+        return GuardSettings(**{f.name: getattr(self, f.name) for f in fields(GuardSettings)})
+
     def __post_init__(self):
         # TRL turns an unset `bf16` into True, and transformers then refuses to start on a
         # machine without bf16 support ("Your setup doesn't support bf16/gpu"). Unset means
         # "bf16 where the hardware has it": True on a bf16-capable CUDA device, else False.
         if self.bf16 is None and not self.fp16 and not _bf16_available():
             self.bf16 = False
-        super().__post_init__()
+        super().__post_init__()  # TRL's and transformers' checks (they do not chain to GuardSettings)
+        GuardSettings.__post_init__(self)
         self._check_ppo_fields()
 
     def _check_ppo_fields(self) -> None:
@@ -120,3 +154,10 @@ class PPOConfig(TRLPPOConfig):
             )
         if self.entropy_coef < 0:
             raise ValueError(f"PPOConfig.entropy_coef must be >= 0, got {self.entropy_coef}.")
+        if self.max_rollout_age is not None and self.max_rollout_age < 0:
+            raise ValueError(f"PPOConfig.max_rollout_age must be >= 0 or None (no limit), got {self.max_rollout_age}.")
+        if self.adaptive_kl and (self.kl_target <= 0 or self.kl_horizon <= 0):
+            raise ValueError(
+                f"PPOConfig: adaptive_kl needs kl_target > 0 and kl_horizon > 0, got kl_target={self.kl_target}, "
+                f"kl_horizon={self.kl_horizon}."
+            )

@@ -29,12 +29,18 @@ from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
+from . import checkpoint as ckpt
 from . import functional as F
 from ._compat import TRLPPOConfig, TRLPPOTrainer, prepare_deepspeed, unwrap_model_for_generation
+from .checkpoint import clean_temp_dirs
 from .config import PPOConfig
+from .guards import GuardDecision, GuardRails
+from .kl_control import build_kl_controller
 from .offload import on_device
 from .policy_value import PolicyAndValue, score_at
 from .quantization import is_4bit_model, make_4bit_cpu_safe
+from .run_state import CheckpointMixin
+from .sampler import EpochSeededSampler
 from .rollout import (
     Rollout,
     finalize_responses,
@@ -51,9 +57,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class OnlineTrainerState(TrainerState):
-    """``TrainerState`` plus the number of episodes (sampled responses) seen so far."""
+    """``TrainerState`` plus the episodes (sampled responses) seen so far and why the run stopped."""
 
     episode: int = 0
+    stop_reason: str | None = None  # a guard's message when a guard halted the run
+    halted_by: str | None = None  # the guard's name
 
 
 @dataclass
@@ -99,7 +107,7 @@ def _as_our_config(args) -> PPOConfig:
     return ours
 
 
-class PPOTrainer(TRLPPOTrainer):
+class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
     """Drop-in replacement for TRL's ``PPOTrainer`` with correct token-level PPO math.
 
     Args are TRL's: ``args`` (a ``PPOConfig``), ``processing_class`` (tokenizer with a pad
@@ -127,6 +135,8 @@ class PPOTrainer(TRLPPOTrainer):
         optimizers=(None, None),
         callbacks=None,
         peft_config=None,
+        *,
+        eval_metrics: dict | None = None,
     ) -> None:
         args = _as_our_config(args)
         self.args = args
@@ -155,6 +165,23 @@ class PPOTrainer(TRLPPOTrainer):
         self._setup_callbacks_and_state(callbacks)
         self._setup_dataloaders()
         self._place_frozen_models()
+        self._setup_run_control(eval_metrics)
+
+    def _setup_run_control(self, eval_metrics) -> None:
+        """KL controller, guard rails and the counters a checkpoint carries."""
+        args = self.args
+        self.kl_controller = build_kl_controller(
+            args.kl_coef, args.adaptive_kl, args.kl_target if args.adaptive_kl else None,
+            args.kl_horizon if args.adaptive_kl else None,
+        )
+        self.guards = GuardRails(args.guard_settings())
+        self.eval_metrics = dict(eval_metrics or {})
+        for name, fn in self.eval_metrics.items():
+            if not callable(fn):
+                raise TypeError(f"eval_metrics[{name!r}] must be a callable (prompts, completions) -> list[float].")
+        self._data_cursor = {"epoch": 0, "batches": 0}
+        self._protected_checkpoints: set[str] = set()
+        self._stale_discarded = self._nonfinite_steps = self._rollout_age = 0
 
     # ------------------------------------------------------------------ set-up
     def _check_inputs(self, model, ref_model, reward_model, train_dataset, processing_class) -> None:
@@ -342,19 +369,23 @@ class PPOTrainer(TRLPPOTrainer):
             os.makedirs(self.args.output_dir, exist_ok=True)
 
     def _setup_dataloaders(self) -> None:
+        # The shuffle order is a function of (seed, epoch), the same on every process, so a
+        # resumed run finds its place without replaying RNG draws.
+        self.dataloader_sampler = EpochSeededSampler(len(self.train_dataset), self.args.seed)
         self.dataloader = DataLoader(
             self.train_dataset,
             batch_size=self.local_dataloader_batch_size,
-            shuffle=True,
+            sampler=self.dataloader_sampler,
             collate_fn=self.data_collator,
             drop_last=True,  # every rollout batch has the same size
+            # Each new iterator draws a worker seed; from its own generator, not the global RNG,
+            # so starting an epoch (or resuming mid-epoch) leaves the sampling RNG untouched.
+            generator=torch.Generator().manual_seed(self.args.seed),
         )
-        # Same shuffle on every process before `prepare` shards it, then per-process seeds.
-        torch.manual_seed(self.args.seed)
         self.model, self.optimizer, self.dataloader = self.accelerator.prepare(
             self.model, self.optimizer, self.dataloader
         )
-        torch.manual_seed(self.local_seed)
+        torch.manual_seed(self.local_seed)  # generation differs per process
         self.eval_dataloader = None
         if self.eval_dataset is not None:
             self.eval_dataloader = self.accelerator.prepare(
@@ -411,24 +442,60 @@ class PPOTrainer(TRLPPOTrainer):
             yield
 
     # ------------------------------------------------------------------ phases
-    def train(self):
-        """Run ``num_total_batches`` PPO updates: rollout -> score -> advantages -> update -> log."""
-        self._begin_training()
-        batches = self._repeat_dataloader()
-        for update in range(1, self.args.num_total_batches + 1):
-            self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-            rollout = self.generate_rollout(next(batches))
-            rollout = self.score_rollout(rollout)
-            advantages = self.compute_advantages(rollout)
-            update_stats = self.ppo_update(rollout, advantages)
-            self.log_update(rollout, advantages, update_stats)
-            self._end_update(update)
+    def train(self, resume_from_checkpoint: str | bool | None = None):
+        """Run PPO updates until ``num_total_batches``: rollout -> score -> advantages -> update
+        -> log, then guards, KL control and checkpoints.
+
+        Args:
+            resume_from_checkpoint: a checkpoint folder, or True for the latest complete one in
+                ``output_dir``; restores models, optimizer, scheduler, RNG, data position, KL
+                controller, guard counters and log history, so the run continues bit for bit.
+        """
+        self._begin_training(resume_from_checkpoint)
+        status, reason = "completed", None
+        try:
+            while self.state.global_step < self.args.num_total_batches:
+                decision = self.run_update(self.state.global_step + 1)
+                if decision.halt:
+                    status, reason = "halted", decision.message
+                    self._halt(decision)
+                    break
+        except KeyboardInterrupt:
+            status, reason = "interrupted", "KeyboardInterrupt"
+            raise
+        except BaseException as err:
+            status, reason = "failed", f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            self._finish_manifest(status, reason)
+        self.state.stop_reason = reason
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
-        if self.control.should_save:
+        if self.control.should_save and status == "completed":
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def _begin_training(self) -> None:
+    def run_update(self, update: int) -> GuardDecision:
+        """One PPO update; returns the guards' decision (``halt`` ends the run)."""
+        self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+        rollout = self.collect_rollout(update)
+        if isinstance(rollout, GuardDecision):
+            return rollout
+        advantages = self.compute_advantages(rollout)
+        update_stats, decision = self.ppo_update(rollout, advantages, update)
+        metrics = self.update_metrics(rollout, advantages, update_stats)
+        if self._evaluation_due(update):
+            metrics.update(self.evaluate_heldout())
+        if not decision.halt:
+            decision = self.guards.check(metrics, update)
+        metrics.update({k: float(v) for k, v in decision.figures.items()})  # keys are "guard/<name>"
+        metrics["objective/kl_coef"] = self.kl_controller.value
+        self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
+        self.log_update(metrics)
+        if not decision.halt:
+            self._end_update(update)
+        return decision
+
+    def _begin_training(self, resume_from_checkpoint) -> None:
         args = self.args
         self.model.train()
         self.state.global_step = 0
@@ -441,12 +508,60 @@ class PPOTrainer(TRLPPOTrainer):
                 setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model
+        path = self._resolve_resume_path(resume_from_checkpoint)
+        if self.accelerator.is_main_process:
+            clean_temp_dirs(args.output_dir)
+        if path is not None:
+            self._load_checkpoint(path)
+        self._batches = self._repeat_dataloader()
+        self._write_manifest()
+        if path is None and self._saves_checkpoints():
+            # The pre-PPO starting point stays as last-known-good: never rotated away.
+            self._protected_checkpoints.add(os.path.basename(self._save_checkpoint(self.model)))
         self._start_time = time.time()
+        self._start_episode = self.state.episode
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._restore_rng()  # last: anything above may draw random numbers
+
+    def _saves_checkpoints(self) -> bool:
+        return str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) != "no"
 
     def _repeat_dataloader(self):
+        """Batches forever, epoch after epoch, from the saved cursor (exact resume)."""
+        cursor = self._data_cursor
         while True:
-            yield from self.dataloader
+            self.dataloader.set_epoch(cursor["epoch"])  # accelerate resets the sampler epoch from this
+            skip = cursor["batches"]
+            for index, batch in enumerate(self.dataloader):
+                if index < skip:
+                    continue
+                cursor["batches"] = index + 1
+                yield batch
+            cursor["epoch"], cursor["batches"] = cursor["epoch"] + 1, 0
+
+    def produce_rollout(self) -> Rollout:
+        """The next scored rollout. The synchronous default generates it now from the next
+        batch; an asynchronous producer overrides this (its rollouts carry ``policy_version``)."""
+        return self.score_rollout(self.generate_rollout(next(self._batches)))
+
+    def collect_rollout(self, update: int) -> Rollout | GuardDecision:
+        """``produce_rollout``; a rollout older than ``max_rollout_age`` updates is discarded and
+        its prompts regenerated with the current policy (the stale-rollout guard may halt)."""
+        rollout = self.produce_rollout()
+        while True:
+            age = self.state.global_step - rollout.policy_version
+            if self.args.max_rollout_age is None or age <= self.args.max_rollout_age:
+                self.guards.fresh_rollout()
+                self._rollout_age = age
+                return rollout
+            self._stale_discarded += 1
+            logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
+                           "regenerating it with the current policy.", update, age, self.args.max_rollout_age)
+            decision = self.guards.stale_rollout(update)
+            if decision.halt:
+                return decision
+            prompts = {"input_ids": rollout.queries, "attention_mask": rollout.query_mask}
+            rollout = self.score_rollout(self.generate_rollout(prompts))
 
     def _prompt_tensors(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(queries, query_mask)`` left padded, from the collator's ids and attention mask."""
@@ -552,7 +667,7 @@ class PPOTrainer(TRLPPOTrainer):
             scores = scores - args.missing_eos_penalty * (~rollout.has_stop).float()
         kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
         rewards, non_score = F.shaped_rewards(
-            rollout.logprobs, rollout.ref_logprobs, scores, mask, args.kl_coef, args.kl_estimator
+            rollout.logprobs, rollout.ref_logprobs, scores, mask, self.kl_controller.value, args.kl_estimator
         )
         if args.whiten_rewards:
             rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
@@ -565,27 +680,59 @@ class PPOTrainer(TRLPPOTrainer):
             returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
         )
 
-    def ppo_update(self, rollout: Rollout, adv: Advantages) -> dict[str, torch.Tensor]:
+    def ppo_update(self, rollout: Rollout, adv: Advantages, update: int) -> tuple[dict, GuardDecision]:
         """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
-        per mini-batch. Returns per-micro-batch statistics stacked as ``(n,)`` tensors."""
+        per mini-batch, skipped (no parameter changes) when its loss or gradient is not finite.
+
+        Returns per-micro-batch statistics stacked as ``(n,)`` tensors, and the nonfinite
+        guard's decision (``halt`` stops the update at once).
+        """
         args, accelerator = self.args, self.accelerator
         stats = defaultdict(list)
+        decision = GuardDecision.keep_going({})
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(rollout.batch_size, device=rollout.responses.device)
             for mb_start in range(0, rollout.batch_size, args.local_mini_batch_size):
                 mini = order[mb_start : mb_start + args.local_mini_batch_size]
-                for mc_start in range(0, len(mini), args.per_device_train_batch_size):
-                    micro = mini[mc_start : mc_start + args.per_device_train_batch_size]
-                    with accelerator.accumulate(self.model):
-                        loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro))
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            micro_stats["grad_norm"] = self._clip_gradients()
-                        self.optimizer.step()
-                        self.optimizer.zero_grad()
-                    for k, v in micro_stats.items():
-                        stats[k].append(v)
-        return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
+                decision = self._minibatch_step(rollout, adv, mini, update, stats)
+                if decision.halt:
+                    return _stack_stats(stats), decision
+        return _stack_stats(stats), decision
+
+    def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
+        """Accumulate gradients over the mini-batch's micro-batches, then step once if finite."""
+        accelerator = self.accelerator
+        nonfinite_loss = torch.zeros((), device=accelerator.device)
+        for mc_start in range(0, len(mini), self.args.per_device_train_batch_size):
+            micro = mini[mc_start : mc_start + self.args.per_device_train_batch_size]
+            with accelerator.accumulate(self.model):
+                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro))
+                nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = self._clip_gradients()
+                    micro_stats["grad_norm"] = grad_norm
+                    decision = self._step_if_finite(grad_norm, nonfinite_loss, update)
+            for k, v in micro_stats.items():
+                stats[k].append(v)
+        return decision
+
+    def _step_if_finite(self, grad_norm, nonfinite_loss, update: int) -> GuardDecision:
+        """The optimizer step, unless any process saw a NaN/inf loss or gradient norm.
+
+        One scalar crosses to the host per optimizer step (the guard needs the answer).
+        """
+        bad = torch.maximum(nonfinite_loss, (~torch.isfinite(grad_norm)).float()).reshape(1)
+        bad = self.accelerator.reduce(bad, reduction="sum") if self.accelerator.num_processes > 1 else bad
+        if bad.item() > 0:
+            self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
+            self._nonfinite_steps += 1
+            logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
+            return self.guards.nonfinite_step(update)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.guards.finite_step()
+        return GuardDecision.keep_going({})
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -627,8 +774,8 @@ class PPOTrainer(TRLPPOTrainer):
         return loss, stats
 
     @torch.no_grad()
-    def log_update(self, rollout: Rollout, adv: Advantages, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Gather this update's statistics from every process (one transfer) and log them."""
+    def update_metrics(self, rollout: Rollout, adv: Advantages, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """This update's statistics, averaged over every process (one gather)."""
         mask = rollout.response_mask
         lengths = mask.sum(1).float()
         local = {
@@ -651,7 +798,7 @@ class PPOTrainer(TRLPPOTrainer):
             "val/response_length": lengths.mean(),
             "val/eos_rate": rollout.has_stop.float().mean(),
             "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
-            "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(0.0),
+            "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(float("nan")),
         }
         names = list(local)
         values = torch.stack([local[k].float().to(self.accelerator.device) for k in names])
@@ -659,14 +806,21 @@ class PPOTrainer(TRLPPOTrainer):
         ratio_max = self.accelerator.gather(stats["ratio_max"].max()[None].to(self.accelerator.device)).max()
         metrics = {k: float(v) for k, v in zip(names, gathered.tolist())}
         metrics["val/ratio_max"] = float(ratio_max)
+        metrics["policy/lag"] = float(self._rollout_age)
+        metrics["rollout/stale_discarded"] = float(self._stale_discarded)
+        metrics["train/nonfinite_steps"] = float(self._nonfinite_steps)
+        return metrics
+
+    def log_update(self, metrics: dict[str, float]) -> None:
+        """Advance the step/episode counters and log ``metrics`` (plus lr, eps, episode)."""
         self.state.episode += self.args.batch_size
-        metrics["eps"] = int(self.state.episode / max(time.time() - self._start_time, 1e-9))
+        elapsed = max(time.time() - self._start_time, 1e-9)
+        metrics["eps"] = int((self.state.episode - self._start_episode) / elapsed)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["episode"] = self.state.episode
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
         self.log(metrics)
-        return metrics
 
     def _end_update(self, update: int) -> None:
         self.lr_scheduler.step()
@@ -676,6 +830,54 @@ class PPOTrainer(TRLPPOTrainer):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         if self.args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
             self.generate_completions(sampling=True)
+
+    def _halt(self, decision: GuardDecision) -> None:
+        """A guard fired: no further optimizer step; checkpoint the current state next to (never
+        over) the last good one, record why, and say so."""
+        self.state.stop_reason = decision.message
+        self.state.halted_by = decision.guard
+        if self._saves_checkpoints():
+            name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}-halted"
+            self._protected_checkpoints.add(name)
+            self._save_checkpoint(self.model, folder_name=name)
+        logger.warning("PPO run halted by guard %r: %s", decision.guard, decision.message)
+        self.accelerator.print(f"PPO run halted by guard {decision.guard!r}: {decision.message}")
+
+    def _evaluation_due(self, update: int) -> bool:
+        strategy = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy))
+        steps = getattr(self.state, "eval_steps", None)
+        return self.eval_dataloader is not None and strategy == "steps" and bool(steps) and update % steps == 0
+
+    @torch.no_grad()
+    def evaluate_heldout(self) -> dict[str, float]:
+        """Sample completions for ``eval_dataset`` with a fixed seed (training RNG untouched) and
+        compute ``eval/rm_score``, ``eval/response_length``, ``eval/kl`` and each user metric
+        ``eval/<name>`` from ``eval_metrics`` callables ``(prompts, completions) -> list[float]``."""
+        tok = self.processing_class
+        sums, prompts, completions = defaultdict(float), [], []
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed)
+            for batch in self.eval_dataloader:
+                r = self.score_rollout(self.generate_rollout(batch))
+                sums["eval/rm_score"] += float(r.scores.sum())
+                sums["eval/response_length"] += float(r.response_mask.sum())
+                sums["eval/kl"] += float((r.logprobs - r.ref_logprobs).sum())
+                sums["n"] += r.batch_size
+                prompts += tok.batch_decode([q[m] for q, m in zip(r.queries, r.query_mask)], skip_special_tokens=True)
+                completions += [tok.decode(x[m].tolist(), skip_special_tokens=True)
+                                for x, m in zip(r.responses, r.response_mask)]
+        totals = self.accelerator.reduce(torch.tensor([sums[k] for k in ("eval/rm_score", "eval/response_length",
+                                                                          "eval/kl", "n")],
+                                                      device=self.accelerator.device), reduction="sum")
+        n = max(float(totals[3]), 1.0)
+        metrics = {k: float(v) / n for k, v in zip(("eval/rm_score", "eval/response_length", "eval/kl"), totals)}
+        for name, fn in self.eval_metrics.items():
+            values = [float(v) for v in fn(prompts, completions)]
+            local = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=self.accelerator.device)
+            total = self.accelerator.reduce(local, reduction="sum")
+            metrics[f"eval/{name}"] = float(total[0] / max(float(total[1]), 1.0))
+        return metrics
 
     # ------------------------------------------------------------------ outputs
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -755,6 +957,11 @@ class PPOTrainer(TRLPPOTrainer):
 
             if wandb.run is not None:
                 wandb.log({"completions": wandb.Table(dataframe=df)})
+
+
+def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-micro-batch scalars -> one ``(n,)`` tensor per statistic."""
+    return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
 
 
 def _select_adv(adv: Advantages, index: torch.Tensor) -> Advantages:

@@ -1,0 +1,49 @@
+"""Exact-resume scenario, one process per call (see tests/test_run_control.py).
+
+    ppo_resume.py OUT straight         6 updates in one go
+    ppo_resume.py OUT killed           checkpoints every update, SIGKILLs itself during update 4
+    ppo_resume.py OUT resume           resumes from the latest checkpoint in OUT, to update 6
+
+Writes OUT/final_params.pt (trainable parameters) and OUT/logs.json (logged metrics).
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from conftest import prompt_dataset, tiny_config, tiny_models  # noqa: E402
+
+from trl_ppo_ext import PPOTrainer  # noqa: E402
+from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
+
+
+class KilledDuringUpdate4(PPOTrainer):
+    def compute_loss_terms(self, mb, adv):
+        if self.state.global_step == 3:  # updates 1-3 done and checkpointed: we are inside update 4
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().compute_loss_terms(mb, adv)
+
+
+if __name__ == "__main__":
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok)
+    args = tiny_config(
+        out, total_episodes=24, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
+        num_ppo_epochs=2, save_strategy="no" if mode == "straight" else "steps", save_steps=1,
+        adaptive_kl=True, kl_target=0.01, kl_horizon=100, save_total_limit=3,
+    )
+    cls = KilledDuringUpdate4 if mode == "killed" else PPOTrainer
+    trainer = cls(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                  train_dataset=prompt_dataset(tok, n=10), value_model=value)
+    trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    params = {k: v.detach() for k, v in trainer.unwrapped.named_parameters() if v.requires_grad}
+    torch.save(params, out / f"final_params_{mode}.pt")
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    (out / f"logs_{mode}.json").write_text(json.dumps(logs))

@@ -1,0 +1,167 @@
+"""Checkpoints that resume exactly, and the run manifest: the trainer's persistence.
+
+A checkpoint ``<output_dir>/checkpoint-<step>`` holds, written atomically (temp folder, then
+rename; see ``checkpoint.atomic_checkpoint_dir``):
+
+- the inference export of ``save_model`` (policy or adapter, value head when shared);
+- ``trainable_state.pt``: every trainable parameter of the policy/value module (exact);
+- ``optimizer.pt``, ``scheduler.pt``;
+- ``ppo_state.json``: KL controller, guard counters, data cursor (epoch, batches consumed);
+- ``rng_state_<process>.pth``: Python, NumPy, torch CPU/CUDA generators of each process;
+- ``trainer_state.json`` (written last: its presence marks a complete checkpoint) with the
+  global step, episode count and log history.
+
+``CheckpointMixin`` is mixed into ``PPOTrainer``; it reads the trainer's attributes
+(``accelerator``, ``optimizer``, ``lr_scheduler``, ``kl_controller``, ``guards``, ``state``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import checkpoint as ckpt
+from . import manifest as mf
+
+TRAINABLE_STATE = "trainable_state.pt"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+PPO_STATE = "ppo_state.json"
+CHECKPOINT_FILES = (ckpt.COMPLETE_MARKER, PPO_STATE, TRAINABLE_STATE, OPTIMIZER)
+
+
+class CheckpointMixin:
+    """Save and restore everything a PPO run needs to continue bit for bit."""
+
+    # ------------------------------------------------------------------ save
+    def _save_checkpoint(self, model=None, trial=None, folder_name: str | None = None) -> str:
+        """Write ``checkpoint-<global_step>`` (or ``folder_name``) atomically; returns its path."""
+        step = self.state.global_step
+        final = os.path.join(self.args.output_dir, folder_name or f"{ckpt.CHECKPOINT_PREFIX}{step}")
+        is_main = self.accelerator.is_main_process
+        self.store_flos()
+        # Every process writes into one temp folder (shared suffix); the main process renames it.
+        suffix = str(step) if self.accelerator.num_processes > 1 else None
+        with ckpt.atomic_checkpoint_dir(final, suffix=suffix, commit=is_main) as tmp:
+            self.save_model(tmp, _internal_call=True)
+            if is_main:
+                self._save_training_state(tmp)
+            ckpt.save_rng_state(tmp, self.accelerator.process_index)
+            self.accelerator.wait_for_everyone()
+            if is_main:
+                self.state.save_to_json(os.path.join(tmp, ckpt.COMPLETE_MARKER))
+        self.accelerator.wait_for_everyone()
+        if is_main and folder_name is None:
+            ckpt.rotate_checkpoints(
+                self.args.output_dir, self.args.save_total_limit, keep=self._protected_checkpoints,
+                required_files=CHECKPOINT_FILES,
+            )
+        return final
+
+    def _save_training_state(self, directory: str) -> None:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        trainable = {k: v.detach().cpu() for k, v in unwrapped.named_parameters() if v.requires_grad}
+        torch.save(trainable, os.path.join(directory, TRAINABLE_STATE))
+        torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER))
+        ckpt.save_json(os.path.join(directory, PPO_STATE), {
+            "kl_controller": self.kl_controller.state_dict(),
+            "guards": self.guards.state_dict(),
+            "data_cursor": dict(self._data_cursor),
+            "world_size": self.accelerator.num_processes,
+        })
+
+    # ------------------------------------------------------------------ resume
+    def _resolve_resume_path(self, resume_from_checkpoint) -> str | None:
+        if resume_from_checkpoint in (None, False):
+            return None
+        if resume_from_checkpoint is True:
+            path = ckpt.latest_checkpoint(self.args.output_dir, CHECKPOINT_FILES)
+            if path is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no complete checkpoint "
+                    f"(a checkpoint-<step> folder with {list(CHECKPOINT_FILES)}). Start without resuming, or pass "
+                    "the path of a checkpoint."
+                )
+            return path
+        ckpt.validate_checkpoint(resume_from_checkpoint, CHECKPOINT_FILES)
+        return str(resume_from_checkpoint)
+
+    def _load_checkpoint(self, path: str) -> None:
+        """Restore model, optimizer, scheduler, PPO state and trainer state (RNG comes last,
+        in ``_restore_rng``, right before the first resumed update)."""
+        try:
+            ppo_state = ckpt.load_json(os.path.join(path, PPO_STATE))
+            trainable = torch.load(os.path.join(path, TRAINABLE_STATE), map_location="cpu", weights_only=True)
+            optimizer_state = torch.load(os.path.join(path, OPTIMIZER), map_location="cpu", weights_only=False)
+            scheduler_state = torch.load(os.path.join(path, SCHEDULER), map_location="cpu", weights_only=False)
+        except Exception as err:  # torch/pickle/json raise many kinds for a damaged file
+            raise ValueError(
+                f"Checkpoint {path!r} could not be read ({type(err).__name__}: {err}). It is damaged or was not "
+                "written by trl_ppo_ext; resume from another checkpoint or start a new run."
+            ) from err
+        if ppo_state.get("world_size") != self.accelerator.num_processes:
+            raise ValueError(
+                f"Checkpoint {path!r} was written by {ppo_state.get('world_size')} process(es), this run has "
+                f"{self.accelerator.num_processes}. Exact resume needs the same number of processes."
+            )
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        params = dict(unwrapped.named_parameters())
+        missing = [k for k, p in params.items() if p.requires_grad and k not in trainable]
+        if missing:
+            raise ValueError(
+                f"Checkpoint {path!r} does not match this model: {len(missing)} trainable parameter(s) are missing "
+                f"(first: {missing[0]!r}). Resume with the same model set-up (LoRA config, shared or separate value)."
+            )
+        with torch.no_grad():
+            for name, value in trainable.items():
+                params[name].copy_(value.to(params[name].device))
+        self.optimizer.load_state_dict(optimizer_state)
+        self.lr_scheduler.load_state_dict(scheduler_state)
+        self.kl_controller.load_state_dict(ppo_state["kl_controller"])
+        self.guards.load_state_dict(ppo_state["guards"])
+        self._data_cursor = dict(ppo_state["data_cursor"])
+        resumed = type(self.state).load_from_json(os.path.join(path, ckpt.COMPLETE_MARKER))
+        for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos"):
+            setattr(self.state, field_name, getattr(resumed, field_name))
+        self._resume_path = path
+
+    def _restore_rng(self) -> None:
+        if getattr(self, "_resume_path", None):
+            ckpt.load_rng_state(self._resume_path, self.accelerator.process_index)
+
+    # ------------------------------------------------------------------ manifest
+    def _manifest_path(self) -> str:
+        return mf.manifest_path(self.args.output_dir)
+
+    def _write_manifest(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        shared = getattr(unwrapped, "is_actor_critic", False)
+        models = {"policy": mf.model_identity(unwrapped.policy, "policy")}
+        if self.ref_model is None:
+            models["reference"] = {"role": "reference", "same_as": "policy with its adapter disabled",
+                                   "shared_with": ["policy"]}
+        else:
+            models["reference"] = mf.model_identity(self.ref_model, "reference")
+        value = unwrapped if shared else unwrapped.value_model
+        models["value"] = mf.model_identity(value, "value", shared_with=["policy"] if shared else ())
+        models["reward"] = mf.model_identity(self.reward_model, "reward")
+        generation = {
+            "response_length": self.args.response_length, "temperature": self.args.temperature, "top_k": 0,
+            "top_p": 1.0, "stop_token_id": self.stop_token_id, "pad_token_id": self.processing_class.pad_token_id,
+        }
+        hyper = self.args.to_dict()
+        hyper.update(kl_controller=self.kl_controller.state_dict(), resumed_from=getattr(self, "_resume_path", None))
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        mf.write_manifest(self._manifest_path(), mf.build_manifest(
+            models=models, tokenizer=self.processing_class, train_dataset=self.train_dataset,
+            eval_dataset=self.eval_dataset, generation=generation, hyperparameters=hyper, seed=self.args.seed,
+            environment=mf.environment_identity(self.accelerator),
+        ))
+
+    def _finish_manifest(self, status: str, reason: str | None) -> None:
+        if self.accelerator.is_main_process and os.path.exists(self._manifest_path()):
+            mf.finish_manifest(self._manifest_path(), reason, status)

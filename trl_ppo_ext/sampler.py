@@ -1,0 +1,33 @@
+"""A shuffling sampler whose order is a pure function of (seed, epoch).
+
+``torch.utils.data.RandomSampler`` draws its permutation from a generator whose state
+moves with every epoch, so a resumed run cannot re-create "epoch 3, batch 5" without
+replaying everything before it. Here epoch ``e``'s order is ``randperm(n)`` from a fresh
+generator seeded with ``seed + e``: a resumed run sets the epoch and skips the batches it
+already consumed, and gets the same prompts in the same order. Every process builds the
+same permutation; accelerate's batch-sampler sharding then gives each process its share.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Sampler
+
+
+class EpochSeededSampler(Sampler[int]):
+    """Indices ``0..n-1`` in the order ``randperm(n, generator=manual_seed(seed + epoch))``."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples < 1:
+            raise ValueError(f"EpochSeededSampler needs at least one sample, got num_samples={num_samples}.")
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
