@@ -41,6 +41,9 @@ class CheckpointMixin:
         final = os.path.join(self.args.output_dir, folder_name or f"{ckpt.CHECKPOINT_PREFIX}{step}")
         is_main = self.accelerator.is_main_process
         self.store_flos()
+        if is_main:  # as TRL does: the model card in output_dir follows the checkpoints
+            name = (self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))).split("/")[-1]
+            self.create_model_card(model_name=name)
         # Every process writes into one temp folder (shared suffix); the main process renames it.
         suffix = str(step) if self.accelerator.num_processes > 1 else None
         with ckpt.atomic_checkpoint_dir(final, suffix=suffix, commit=is_main) as tmp:

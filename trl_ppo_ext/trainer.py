@@ -469,10 +469,8 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         finally:
             self._finish_manifest(status, reason)
         self.state.stop_reason = reason
+        # Checkpoints were written at the end of each update that asked for one; none twice.
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
-        if self.control.should_save and status == "completed":
-            self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def run_update(self, update: int) -> GuardDecision:
         """One PPO update; returns the guards' decision (``halt`` ends the run)."""
