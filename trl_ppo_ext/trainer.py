@@ -574,11 +574,13 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         return left_pad(ids, mask, self.processing_class.pad_token_id)
 
     @torch.no_grad()
-    def generate_rollout(self, batch) -> Rollout:
-        """Sample responses to a batch of prompts with the current policy (scores left empty)."""
+    def generate_rollout(self, batch, temperature: float | None = None) -> Rollout:
+        """Sample responses to a batch of prompts with the current policy (scores left empty),
+        at ``temperature`` (default: ``args.temperature``)."""
         args, tok = self.args, self.processing_class
         queries, query_mask = self._prompt_tensors(batch)
-        config = sampling_config(args, self.stop_token_id, tok.pad_token_id, args.temperature)
+        temperature = args.temperature if temperature is None else temperature
+        config = sampling_config(args, self.stop_token_id, tok.pad_token_id, temperature)
         with unwrap_model_for_generation(
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
@@ -685,7 +687,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         Returns per-micro-batch statistics stacked as ``(n,)`` tensors, and the nonfinite
         guard's decision (``halt`` stops the update at once).
         """
-        args, accelerator = self.args, self.accelerator
+        args = self.args
         stats = defaultdict(list)
         decision = GuardDecision.keep_going({})
         for _ in range(args.num_ppo_epochs):
@@ -910,21 +912,14 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         import pandas as pd
         from accelerate.utils import gather_object
 
-        tok, args = self.processing_class, self.args
-        config = sampling_config(args, self.stop_token_id, tok.pad_token_id, temperature=0.01)
+        tok = self.processing_class
         table = defaultdict(list)
         for batch in self.eval_dataloader:
-            queries, query_mask = self._prompt_tensors(batch)
-            with unwrap_model_for_generation(
-                self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
-            ) as unwrapped:
-                raw = generate_responses(
-                    unwrapped.policy, queries, query_mask, config, args.response_length,
-                    tok.pad_token_id, args.local_rollout_forward_batch_size,
-                )
-            responses, mask, _ = finalize_responses(raw, self.stop_token_id, tok.pad_token_id, tok.eos_token_id)
-            inputs = sequence_inputs(queries, query_mask, responses, mask)
-            scores = score_at(self.reward_model, *inputs, index=queries.shape[1] + F.last_valid_index(mask))
+            rollout = self.generate_rollout(batch, temperature=0.01)  # near-greedy, as TRL
+            queries, responses, mask = rollout.queries, rollout.responses, rollout.response_mask
+            inputs = sequence_inputs(queries, rollout.query_mask, responses, mask)
+            with self._frozen_on_device(self.reward_model, self.args.offload_reward_model):
+                scores = self.reward_scores(rollout, inputs)
             texts = [tok.decode(r[m].tolist()) for r, m in zip(responses, mask)]
             table["query"].extend(gather_object(tok.batch_decode(queries, skip_special_tokens=True)))
             table["model response"].extend(gather_object(texts))
