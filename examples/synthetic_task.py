@@ -293,7 +293,7 @@ def _no_checkpointing(config_cls) -> dict:
 def train_reward_model(task: Task, pairs_train: Dataset, pairs_eval: Dataset, output_dir: str, *,
                        epochs: float = 3, seed: int = 0, learning_rate: float = 3e-3,
                        batch_size: int = 32, hidden_size: int = 32, num_layers: int = 2,
-                       max_steps: int = -1):
+                       max_steps: int = -1, progress: bool = False):
     """Train a tiny reward model with TRL's ``RewardTrainer``; return it and its held-out accuracy.
 
     Args:
@@ -305,6 +305,8 @@ def train_reward_model(task: Task, pairs_train: Dataset, pairs_eval: Dataset, ou
         learning_rate, batch_size: AdamW step size; pairs per step (each is 2 sequences).
         hidden_size, num_layers: size of the ``LlamaForSequenceClassification``.
         max_steps: if > 0, stop after this many steps (for quick tests).
+        progress: show the Trainer's progress bar (its logs, every 50 steps, are then
+            written under the bar); False prints only those logs.
 
     Returns:
         ``(model, eval_pair_accuracy)``: the trained model in eval mode, and the fraction of
@@ -339,7 +341,7 @@ def train_reward_model(task: Task, pairs_train: Dataset, pairs_eval: Dataset, ou
         save_strategy="no",
         eval_strategy="no",
         logging_steps=50,
-        disable_tqdm=True,
+        disable_tqdm=not progress,
         dataloader_pin_memory=False,  # pinning warns on a machine without an accelerator
         **_no_checkpointing(RewardConfig),
     )
