@@ -173,7 +173,10 @@ def test_loss_ignores_everything_outside_the_response_mask():
     )
     adv = SimpleNamespace(advantages=torch.randn(B, T), returns=torch.randn(B, T))
     args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01)
-    loss, stats = PPOTrainer.compute_loss_terms(SimpleNamespace(model=model, args=args), mb, adv)
+    class FakeTrainer(SimpleNamespace):
+        response_forward = PPOTrainer.response_forward
+
+    loss, stats = PPOTrainer.compute_loss_terms(FakeTrainer(model=model, args=args), mb, adv)
     loss.backward()
     # response token t is predicted at position P - 1 + t; positions predicting masked tokens get no gradient
     predicting = torch.zeros(B, P + T, dtype=torch.bool)

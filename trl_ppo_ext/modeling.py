@@ -191,27 +191,40 @@ class SharedActorCritic(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0,
                 **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Policy logits and critic values for every position.
+        """Policy logits and critic values for the last ``logits_to_keep`` positions (0: all).
 
         Args:
             input_ids: token ids. Shape: (B, L).
             attention_mask: 1 = real token, 0 = padding. Shape: (B, L).
             position_ids: positions (left padding needs them). Shape: (B, L).
+            logits_to_keep: k > 0 computes the LM head on the last k positions only (PPO
+                needs the response positions, not the prompt's).
             **kwargs: passed to the policy's forward (``use_cache`` defaults to False).
 
         Returns:
-            logits: next-token logits, dtype of the model. Shape: (B, L, V).
-            values: float32 value estimates ``V(s_t)``. Shape: (B, L).
+            logits: next-token logits, dtype of the model. Shape: (B, k, V) (k = L when 0).
+            values: float32 value estimates ``V(s_t)`` at the same positions. Shape: (B, k).
         """
         kwargs.setdefault("use_cache", False)
-        output = self.policy(input_ids=input_ids, attention_mask=attention_mask,
-                             position_ids=position_ids, output_hidden_states=True, **kwargs)
+        if logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        # The final hidden state is the LM head's input: catch it there instead of asking for
+        # every layer's hidden states (output_hidden_states keeps L+1 (B, L, H) tensors alive).
+        captured = []
+        head = self.policy.get_base_model().get_output_embeddings()
+        hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            output = self.policy(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, **kwargs)
+        finally:
+            hook.remove()
         if self.value_adapter is None:
-            hidden = output.hidden_states[-1]  # (B, L, H), after the final norm
+            hidden = captured[-1]  # (B, k, H), after the final norm
         else:
             hidden = self._value_hidden_states(input_ids, attention_mask, position_ids)
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         # Outside autocast: under bf16 mixed precision nn.Linear would round values to bf16.
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
@@ -462,6 +475,22 @@ def _from_pretrained(auto_class, source: str, **kwargs):
         ) from err
 
 
+def _own_unquantized_tensors(model: nn.Module) -> None:
+    """Copy the tensors a 4-bit load left unquantized (embeddings, norms, heads) out of the
+    checkpoint file. On CPU, transformers leaves them as views of the memory-mapped fp32
+    safetensors file, which keeps every page the quantizer read counted in the process's
+    memory (~650 MiB of a ~100M-parameter model in benchmarks/memory.py)."""
+    bnb = import_bitsandbytes()
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.device.type == "cpu" and not isinstance(param, bnb.nn.Params4bit):
+                    param.data = param.data.clone()
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf is not None and buf.device.type == "cpu":
+                    module._buffers[name] = buf.clone()
+
+
 def load_actor_critic(model_name_or_path: str | os.PathLike, *, lora_r: int = 16,
                       lora_alpha: int = 32, lora_dropout: float = 0.0,
                       lora_target_modules: list[str] | str | None = None,
@@ -495,6 +524,8 @@ def load_actor_critic(model_name_or_path: str | os.PathLike, *, lora_r: int = 16
     kwargs = _load_kwargs(load_in_4bit=load_in_4bit, torch_dtype=torch_dtype, revision=revision,
                           device_map=device_map, trust_remote_code=trust_remote_code)
     base = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
+    if load_in_4bit:
+        _own_unquantized_tensors(base)
     lora = default_lora_config(base, r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                target_modules=lora_target_modules)
     value_lora_config = None
@@ -543,6 +574,7 @@ def load_reward_model(model_name_or_path: str | os.PathLike, *, num_labels: int 
         )
     model = _from_pretrained(AutoModelForSequenceClassification, source, config=config, **kwargs)
     if load_in_4bit:
+        _own_unquantized_tensors(model)
         make_4bit_cpu_safe(model)
     model.requires_grad_(False)
     return model.eval()

@@ -66,6 +66,22 @@ def score_at(model: nn.Module, input_ids, attention_mask, position_ids, index: t
     return scalar_head(model, hidden[rows, index.to(hidden.device)])
 
 
+def lm_logits(model: nn.Module, input_ids, attention_mask, position_ids, logits_to_keep: int = 0) -> torch.Tensor:
+    """Causal-LM logits of the last ``logits_to_keep`` positions (0: all), ``(B, k, V)``.
+
+    Models whose forward has no ``logits_to_keep`` (older or remote-code ones) return every
+    position; callers slice from the end, so both work.
+    """
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if logits_to_keep:
+        try:
+            return model(**kwargs, logits_to_keep=logits_to_keep).logits
+        except TypeError as err:
+            if "logits_to_keep" not in str(err):
+                raise
+    return model(**kwargs).logits
+
+
 class PolicyAndValue(nn.Module):
     """A policy causal LM and a separate value model behind one ``forward`` (TRL's set-up).
 
@@ -84,11 +100,12 @@ class PolicyAndValue(nn.Module):
     def config(self):
         return self.policy.config
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
-        logits = self.policy(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0, **kwargs):
+        """``(logits (B, k, V), values (B, k))`` for the last ``k = logits_to_keep`` positions (0: all)."""
+        logits = lm_logits(self.policy, input_ids, attention_mask, position_ids, logits_to_keep)
         hidden = backbone_hidden(self.value_model, input_ids, attention_mask, position_ids)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
         return logits, scalar_head(self.value_model, hidden)
 
     @property

@@ -3,7 +3,9 @@
 Notation: ``B`` sequences in the rollout batch, ``P`` prompt positions (left padded), ``T``
 response positions (``response_length``), ``V`` vocabulary. The full sequence fed to every
 model is ``cat(queries, responses)``, ``(B, P + T)``; the response token ``t`` is predicted
-by the logits at position ``P - 1 + t``, and ``V(s_t)`` is read at that same position.
+by the logits at position ``P - 1 + t``, and ``V(s_t)`` is read at that same position. Models
+are asked for the logits of the last ``T + 1`` positions only (``logits_to_keep``): the
+prompt's logits would be ``P / (T + 1)`` times more memory for nothing.
 """
 
 from __future__ import annotations
@@ -83,15 +85,23 @@ def sequence_inputs(
     return input_ids, attention_mask.long(), position_ids
 
 
-def response_logits(logits: torch.Tensor, context_length: int, response_length: int, temperature: float):
+def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:
     """Logits that predict the response tokens, divided by the sampling temperature.
 
     Args:
-        logits: ``(B, P + T, V)``.
+        logits: ``(B, L, V)`` with ``L >= T + 1``: the full sequence ``P + T``, or only its last
+            ``T + 1`` positions (``logits_to_keep=T + 1``). Position ``L - T - 1 + t``
+            predicts response token ``t``; the last position predicts nothing we sampled.
     Returns:
-        ``(B, T, V)``: position ``P - 1 + t`` predicts response token ``t``.
+        ``(B, T, V)``.
     """
-    return logits[:, context_length - 1 : context_length - 1 + response_length] / temperature
+    return logits[:, -(response_length + 1) : -1] / temperature
+
+
+def response_values(values: torch.Tensor, response_length: int) -> torch.Tensor:
+    """``V(s_t)`` for the response tokens: ``(B, L)`` -> ``(B, T)`` float32, same positions as
+    ``response_logits`` (the state before token ``t`` is generated)."""
+    return values[:, -(response_length + 1) : -1].float()
 
 
 def sampling_config(args, stop_token_id: int | None, pad_token_id: int, temperature: float) -> GenerationConfig:

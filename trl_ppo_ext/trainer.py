@@ -37,7 +37,7 @@ from .config import PPOConfig
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .offload import on_device
-from .policy_value import PolicyAndValue, score_at
+from .policy_value import PolicyAndValue, lm_logits, score_at
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .run_state import CheckpointMixin
 from .sampler import EpochSeededSampler
@@ -47,6 +47,7 @@ from .rollout import (
     generate_responses,
     left_pad,
     response_logits,
+    response_values,
     sampling_config,
     sequence_inputs,
 )
@@ -628,16 +629,21 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             return nullcontext()
         return on_device(model, self.accelerator.device)
 
-    def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``, from one forward of the policy/value module.
-
-        The rollout and the update call this same function, so the first PPO ratio is 1.
-        """
+    def response_forward(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the policy/value module: ``(logits (b, T, V) at the sampling
+        temperature, V(s_t) (b, T))``. The rollout and the update share it, so the first PPO
+        ratio is exactly 1."""
         input_ids, attention_mask, position_ids = inputs
-        logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        P, T = part.queries.shape[1], part.responses.shape[1]
-        resp_logits = response_logits(logits, P, T, self.args.temperature)
-        return F.logprobs_from_logits(resp_logits, part.responses), values[:, P - 1 : P - 1 + T]
+        T = part.responses.shape[1]
+        logits, values = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
+        )
+        return response_logits(logits, T, self.args.temperature), response_values(values, T)
+
+    def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
+        logits, values = self.response_forward(model, part, inputs)
+        return F.logprobs_from_logits(logits, part.responses), values
 
     def reference_logprobs(self, part: Rollout, inputs) -> torch.Tensor:
         """``log pi_ref(a_t|s_t)`` ``(b, T)``: a separate reference model or the disabled adapter."""
@@ -646,12 +652,10 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             ref, context = self.ref_model, nullcontext()
         else:
             ref, context = self.unwrapped.policy, self.null_ref_context()
+        T = part.responses.shape[1]
         with context:
-            logits = ref(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).logits
-        P, T = part.queries.shape[1], part.responses.shape[1]
-        return F.logprobs_from_logits(response_logits(logits, P, T, self.args.temperature), part.responses)
+            logits = lm_logits(ref, input_ids, attention_mask, position_ids, logits_to_keep=T + 1)
+        return F.logprobs_from_logits(response_logits(logits, T, self.args.temperature), part.responses)
 
     def reward_scores(self, part: Rollout, inputs) -> torch.Tensor:
         """Raw RM score ``(b,)`` read at the last valid response token (the EOS when present)."""
@@ -749,12 +753,8 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         - entropy_coef * entropy, every term over ``response_mask`` only."""
         args, mask = self.args, mb.response_mask
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
-        input_ids, attention_mask, position_ids = inputs
-        logits, values = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        P, T = mb.queries.shape[1], mb.responses.shape[1]
-        resp_logits = response_logits(logits, P, T, args.temperature)
+        resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.responses)
-        new_values = values[:, P - 1 : P - 1 + T].float()
         log_ratio = (new_logprobs - mb.logprobs).masked_fill(~mask, 0.0)
         ratio = torch.exp(log_ratio)
         pg_loss, pg_clipfrac = F.masked_clipped_surrogate(ratio, adv.advantages, mask, args.cliprange)
