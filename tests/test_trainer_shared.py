@@ -78,7 +78,7 @@ def test_reference_logprobs_equal_the_untouched_base(tmp_path):
     ids, attn, pos = sequence_inputs(rollout.queries, rollout.query_mask, rollout.responses, rollout.response_mask)
     with torch.no_grad():
         logits = untouched(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-    P, T = rollout.queries.shape[1], rollout.responses.shape[1]
+    T = rollout.responses.shape[1]
     expected = logprobs_from_logits(response_logits(logits, T, trainer.args.temperature), rollout.responses)
     expected = expected.masked_fill(~rollout.response_mask, 0)
     assert torch.allclose(rollout.ref_logprobs, expected, atol=1e-6, rtol=0)
