@@ -153,6 +153,11 @@ def test_save_total_limit_keeps_the_pre_ppo_checkpoint(tmp_path):
     trainer.train()
     names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-0", "checkpoint-4"]
+    resumed = _trainer(tmp_path, total_episodes=24, save_strategy="steps", save_steps=1, save_total_limit=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
+    assert names == ["checkpoint-0", "checkpoint-6"], "a resumed run rotated the pre-PPO checkpoint away"
 
 
 def _run(out, mode):

@@ -72,6 +72,7 @@ class CheckpointMixin:
             "kl_controller": self.kl_controller.state_dict(),
             "guards": self.guards.state_dict(),
             "data_cursor": dict(self._data_cursor),
+            "counters": {"stale_discarded": self._stale_discarded, "nonfinite_steps": self._nonfinite_steps},
             "world_size": self.accelerator.num_processes,
         })
 
@@ -125,6 +126,8 @@ class CheckpointMixin:
         self.kl_controller.load_state_dict(ppo_state["kl_controller"])
         self.guards.load_state_dict(ppo_state["guards"])
         self._data_cursor = dict(ppo_state["data_cursor"])
+        self._stale_discarded = ppo_state["counters"]["stale_discarded"]
+        self._nonfinite_steps = ppo_state["counters"]["nonfinite_steps"]
         resumed = type(self.state).load_from_json(os.path.join(path, ckpt.COMPLETE_MARKER))
         for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos"):
             setattr(self.state, field_name, getattr(resumed, field_name))

@@ -514,9 +514,10 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             self._load_checkpoint(path)
         self._batches = self._repeat_dataloader()
         self._write_manifest()
+        # The pre-PPO starting point stays as last-known-good: never rotated away (resumed runs too).
+        self._protected_checkpoints.add(f"{ckpt.CHECKPOINT_PREFIX}0")
         if path is None and self._saves_checkpoints():
-            # The pre-PPO starting point stays as last-known-good: never rotated away.
-            self._protected_checkpoints.add(os.path.basename(self._save_checkpoint(self.model)))
+            self._save_checkpoint(self.model)
         self._start_time = time.time()
         self._start_episode = self.state.episode
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
