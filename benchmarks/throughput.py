@@ -1,0 +1,482 @@
+"""PPO update throughput: TRL's own trainer vs ours (separate models, shared LoRA actor-critic).
+
+    python benchmarks/throughput.py [--sizes tiny,100m] [--repeats 3] [--updates N]
+        [--ppo-epochs 1] [--threads 1]
+
+Three contenders, same random Llama-shaped models (tiny: hidden 32, 2 layers, 46-token
+vocabulary; 100m: hidden 768, 12 layers, 12 heads, intermediate 2048, 8000-token
+vocabulary, 97.2M parameters per policy, 91.1M per value/reward model), same prompts
+(64 prompts of 8-16 random words), seeds and PPO settings: B=4 per update,
+response_length=32, stop_token="eos", no missing-EOS penalty, num_mini_batches=1,
+num_ppo_epochs=1 (``--ppo-epochs``; TRL's default is 4), TRL's other defaults (lr 3e-6,
+max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False:
+
+  upstream  ``trl.experimental.ppo.PPOTrainer`` with its ``PPOConfig``: separate fp32 policy,
+            reference, value model and reward model;
+  separate  ``trl_ppo_ext.PPOTrainer`` with the same four separate models;
+  shared    ``trl_ppo_ext.PPOTrainer`` with a ``SharedActorCritic`` (LoRA r=16 on q/k/v/o +
+            value head on one base; reference = the disabled adapter), the same reward model,
+            ``value_model=None, ref_model=None``.
+
+The random models are built once per size; every run trains deep copies of them. The
+contenders alternate inside one process (the machine is shared and its load drifts): each
+repeat builds fresh trainers in a rotating order and, for each, runs ``updates + 1``
+updates through ``train()`` (``--updates``; default 5 timed updates for tiny, 1 for 100m).
+The first update is a warm-up; the clock runs from the end of update 1 to the end of the
+last one (``on_step_end``), so construction and warm-up are excluded and each timed
+interval is one whole update cycle, including upstream's ``gc.collect()`` calls.
+Throughput = episodes (B per update) or valid response tokens (up to and including the
+first EOS) per second of timed updates; the table shows medians over repeats, the ratios
+ours/upstream of those medians, and the per-repeat (paired) ratios.
+
+Phases are timed by wrapping, never by changing either trainer: ours through a subclass
+that times ``generate_rollout``, ``score_rollout`` (split into the policy+value forward,
+reference and reward-model forwards), ``compute_advantages`` and ``ppo_update``;
+upstream's by swapping its module-level ``batch_generation``, ``forward`` (no-grad calls
+only: the reference) and ``get_reward`` (value and reward model) and its ``gc`` module
+while its ``train()`` runs. Upstream's "update" is the rest of its update time: the PPO
+forward/backward/optimizer step plus its inline GAE and metrics. In both, the update is
+split further by shadowing ``accelerator.backward``, ``accelerator.clip_grad_norm_`` and
+``optimizer.step`` on the trainer's own instances.
+
+``--threads`` defaults to 1: on a shared 2-core machine two intra-op threads oversubscribe
+the cores and made generation 5-8x slower in trials (100m: ~10 s with 1 thread, 68-82 s
+with 2, at a load average of ~6).
+
+The last two lines are ``throughput ratio separate/upstream: <x.xx>`` and
+``throughput ratio shared/upstream: <x.xx>`` (median episodes/s, for 100m when it ran,
+else the last size). Timings are never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import io
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import types
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+# Read when transformers/TRL are first imported (lazily, inside the functions below).
+for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                      ("TRL_EXPERIMENTAL_SILENCE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(_name, _value)
+
+SIZES = {  # words: ordinary words in the tokenizer (+6 special tokens = vocabulary)
+    "tiny": dict(words=40, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64),
+    "100m": dict(words=7994, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048),
+}
+DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one warm-up
+CONTENDERS = ("upstream", "separate", "shared")
+LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "ours, shared LoRA"}
+BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (8, 16), 64, 0
+LORA_R, LORA_ALPHA = 16, 32
+TOP_PHASES = ("generate", "score", "advantages", "update", "gc", "other")
+SCORE_PARTS = ("score.policy", "score.ref", "score.value", "score.reward")
+UPDATE_PARTS = ("update.backward", "update.clip", "update.step")
+UPDATE_LABELS = {"update.backward": "backward", "update.clip": "grad clip", "update.step": "optimizer step"}
+SCORE_LABELS = {"score.policy": "policy+value", "score.ref": "reference", "score.value": "value",
+                "score.reward": "reward"}
+
+
+# ---------------------------------------------------------------------------- clock
+class Clock:
+    """Phase intervals, token counts and update ends, as ``time.perf_counter()`` stamps."""
+
+    def __init__(self):
+        self.intervals: list[tuple[str, float, float]] = []  # (phase, start, stop)
+        self.tokens: list[tuple[float, int]] = []  # (stamp, valid response tokens generated)
+        self.step_ends: list[float] = []
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.intervals.append((name, start, time.perf_counter()))
+
+    def count_tokens(self, n: int) -> None:
+        self.tokens.append((time.perf_counter(), n))
+
+    def summary(self, batch_size: int, remainder: str = "other") -> dict:
+        """Totals over the timed updates (all but the first): seconds, episodes, tokens, phases.
+
+        The time no timed phase covers goes to ``remainder`` (upstream's ``train()`` is one
+        function, so its PPO update is what remains after generation, scoring and gc).
+        """
+        if len(self.step_ends) < 2:
+            raise RuntimeError(f"need at least 2 finished updates to time one, got {len(self.step_ends)}")
+        begin, end = self.step_ends[0], self.step_ends[-1]
+        seconds = end - begin
+        updates = len(self.step_ends) - 1
+        phases = defaultdict(float)
+        for name, start, stop in self.intervals:
+            if start >= begin and stop <= end:
+                phases[name] += stop - start
+        phases[remainder] += seconds - sum(phases[p] for p in TOP_PHASES)
+        return {
+            "seconds": seconds, "updates": updates, "episodes": updates * batch_size,
+            "tokens": sum(n for stamp, n in self.tokens if begin <= stamp <= end),
+            "phases": dict(phases),
+        }
+
+
+def valid_response_tokens(responses: torch.Tensor, stop_token_id: int) -> int:
+    """Tokens up to and including the first stop token, or the whole row without one.
+
+    ``responses`` (B, T). Equivalent to ``sum(row.index(stop) + 1 if stop in row else T)``.
+    """
+    is_stop = responses == stop_token_id
+    first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, responses.shape[1])
+    return int(first.sum())
+
+
+def step_clock_callback(clock: Clock):
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_ends.append(time.perf_counter())
+
+    return StepClock()
+
+
+# ---------------------------------------------------------------------------- ours, timed
+def timed_ours_class():
+    """``trl_ppo_ext.PPOTrainer`` with each phase inside ``self.clock``; behaviour unchanged."""
+    from trl_ppo_ext import PPOTrainer
+
+    class TimedPPOTrainer(PPOTrainer):
+        clock: Clock
+
+        def generate_rollout(self, *args, **kwargs):
+            with self.clock.phase("generate"):
+                rollout = super().generate_rollout(*args, **kwargs)
+            self.clock.count_tokens(int(rollout.response_mask.sum()))
+            return rollout
+
+        def score_rollout(self, *args, **kwargs):
+            with self.clock.phase("score"):
+                return super().score_rollout(*args, **kwargs)
+
+        def policy_logprobs_and_values(self, *args, **kwargs):
+            with self.clock.phase("score.policy"):
+                return super().policy_logprobs_and_values(*args, **kwargs)
+
+        def reference_logprobs(self, *args, **kwargs):
+            with self.clock.phase("score.ref"):
+                return super().reference_logprobs(*args, **kwargs)
+
+        def reward_scores(self, *args, **kwargs):
+            with self.clock.phase("score.reward"):
+                return super().reward_scores(*args, **kwargs)
+
+        def compute_advantages(self, *args, **kwargs):
+            with self.clock.phase("advantages"):
+                return super().compute_advantages(*args, **kwargs)
+
+        def ppo_update(self, *args, **kwargs):
+            with self.clock.phase("update"):
+                return super().ppo_update(*args, **kwargs)
+
+    return TimedPPOTrainer
+
+
+# ---------------------------------------------------------------------------- upstream, timed
+@contextmanager
+def timed_upstream(trainer, clock: Clock):
+    """Swap the module-level helpers upstream's ``train()`` calls for timed wrappers."""
+    module = sys.modules[type(trainer).__module__]
+    names = ("batch_generation", "forward", "get_reward", "gc")
+    original = {name: getattr(module, name) for name in names}
+    stop_token_id = trainer.stop_token_id
+
+    def batch_generation(model, queries, *args, **kwargs):
+        with clock.phase("generate"):
+            query_responses, logits = original["batch_generation"](model, queries, *args, **kwargs)
+        clock.count_tokens(valid_response_tokens(query_responses[:, queries.shape[1]:], stop_token_id))
+        return query_responses, logits
+
+    def forward(model, *args, **kwargs):
+        if torch.is_grad_enabled():  # the PPO update's forward: part of "update"
+            return original["forward"](model, *args, **kwargs)
+        with clock.phase("score"), clock.phase("score.ref"):
+            return original["forward"](model, *args, **kwargs)
+
+    def get_reward(model, *args, **kwargs):
+        part = "score.reward" if model is trainer.reward_model else "score.value"
+        with clock.phase("score"), clock.phase(part):
+            return original["get_reward"](model, *args, **kwargs)
+
+    def collect(*args, **kwargs):
+        with clock.phase("gc"):
+            return original["gc"].collect(*args, **kwargs)
+
+    replacements = {"batch_generation": batch_generation, "forward": forward, "get_reward": get_reward,
+                    "gc": types.SimpleNamespace(collect=collect)}
+    for name, value in replacements.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in original.items():
+            setattr(module, name, value)
+
+
+@contextmanager
+def timed_update_parts(trainer, clock: Clock):
+    """Time backward, gradient clipping and the optimizer step of either trainer, by shadowing
+    the bound methods on its own ``accelerator`` and ``optimizer`` instances."""
+    targets = ((trainer.accelerator, "backward", "update.backward"),
+               (trainer.accelerator, "clip_grad_norm_", "update.clip"),
+               (trainer.optimizer, "step", "update.step"))
+
+    def timed(method, phase):
+        def wrapper(*args, **kwargs):
+            with clock.phase(phase):
+                return method(*args, **kwargs)
+        return wrapper
+
+    for obj, name, phase in targets:
+        setattr(obj, name, timed(getattr(obj, name), phase))
+    try:
+        yield
+    finally:
+        for obj, name, _ in targets:
+            del obj.__dict__[name]  # the class's method shows through again
+
+
+# ---------------------------------------------------------------------------- set-up
+def prompt_dataset(tokenizer, n: int, lengths: tuple[int, int], seed: int):
+    """``n`` prompts of random ordinary words, lengths uniform in ``lengths`` (inclusive)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    first_word = tokenizer.convert_tokens_to_ids("w0")
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        rows.append(torch.randint(first_word, len(tokenizer), (length,), generator=g).tolist())
+    return Dataset.from_dict({"input_ids": rows})
+
+
+def config_kwargs(output_dir: str, updates: int, ppo_epochs: int) -> dict:
+    """The PPO settings every contender gets (TRL's defaults otherwise, e.g. lr 3e-6)."""
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+        total_episodes=BATCH * (updates + 1), response_length=RESPONSE_LENGTH, num_ppo_epochs=ppo_epochs,
+        num_mini_batches=1, local_rollout_forward_batch_size=BATCH, stop_token="eos", missing_eos_penalty=None,
+        report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
+        seed=SEED, bf16=False,
+    )
+
+
+class PristineModels:
+    """The random models of one size, built once (policy seed 0, value 1, reward 2); every
+    run trains deep copies, so all contenders and repeats start from identical weights."""
+
+    def __init__(self, tokenizer, model_kwargs: dict):
+        from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer
+
+        self.policy = build_tiny_causal_lm(tokenizer, seed=0, **model_kwargs)
+        self.value = build_tiny_scorer(tokenizer, seed=1, **model_kwargs)
+        self.reward = build_tiny_scorer(tokenizer, seed=2, **model_kwargs)
+
+    def fresh(self, name: str):
+        return copy.deepcopy(getattr(self, name))
+
+
+def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cfg: dict, clock: Clock):
+    """A fresh trainer on fresh copies of the models; ``clock`` sees its update ends."""
+    from peft import LoraConfig
+    from transformers import PrinterCallback
+
+    from trl_ppo_ext import PPOConfig
+    from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer
+    from trl_ppo_ext.modeling import SharedActorCritic
+
+    common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
+    if contender == "upstream":
+        trainer = TRLPPOTrainer(args=TRLPPOConfig(**cfg), model=models.fresh("policy"),
+                                ref_model=models.fresh("policy"), value_model=models.fresh("value"),
+                                reward_model=models.fresh("reward"), **common)
+    elif contender == "separate":
+        cls = timed_ours_class()
+        cls.clock = clock
+        trainer = cls(args=PPOConfig(**cfg), model=models.fresh("policy"), ref_model=models.fresh("policy"),
+                      value_model=models.fresh("value"), reward_model=models.fresh("reward"), **common)
+    else:
+        lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+        cls = timed_ours_class()
+        cls.clock = clock
+        trainer = cls(args=PPOConfig(**cfg), model=SharedActorCritic(models.fresh("policy"), lora_config=lora),
+                      ref_model=None, value_model=None, reward_model=models.fresh("reward"), **common)
+    trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
+    return trainer
+
+
+def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates: int, args) -> dict:
+    """Build a fresh trainer, train ``updates + 1`` updates, return the timed summary."""
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = config_kwargs(out, updates, args.ppo_epochs)
+        torch.manual_seed(SEED)
+        np.random.seed(SEED)  # upstream shuffles mini-batches with numpy
+        trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock)
+        with timed_update_parts(trainer, clock):
+            if contender == "upstream":
+                with timed_upstream(trainer, clock), redirect_stdout(io.StringIO()):  # "===training policy==="
+                    trainer.train()
+            else:
+                trainer.train()
+        del trainer
+        gc.collect()
+    return clock.summary(BATCH, remainder="update" if contender == "upstream" else "other")
+
+
+# ---------------------------------------------------------------------------- report
+def measure_size(size: str, args) -> tuple[dict[str, list[dict]], str]:
+    """Every contender ``--repeats`` times, rotating the order each repeat; also returns the
+    models' parameter counts, in words."""
+    from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words
+
+    spec = dict(SIZES[size])
+    tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
+    dataset = prompt_dataset(tokenizer, N_PROMPTS, PROMPT_LENGTHS, SEED)
+    models = PristineModels(tokenizer, spec)
+    updates = args.updates or DEFAULT_UPDATES[size]
+    results = defaultdict(list)
+    for r in range(args.repeats):
+        order = CONTENDERS[r % 3:] + CONTENDERS[: r % 3]
+        for contender in order:
+            s = run_once(contender, tokenizer, dataset, models, updates, args)
+            results[contender].append(s)
+            print(f"  [{size} repeat {r + 1}/{args.repeats}] {contender:>8}: "
+                  f"{s['seconds'] / s['updates']:.3f} s/update, {s['episodes'] / s['seconds']:.3f} episodes/s",
+                  flush=True)
+    counts = {name: sum(p.numel() for p in getattr(models, name).parameters()) for name in ("policy", "value")}
+    return results, f"policy {counts['policy']:,}, value/reward {counts['value']:,} parameters"
+
+
+def median_of(runs: list[dict], fn) -> float:
+    return statistics.median(fn(s) for s in runs)
+
+
+def print_size_table(size: str, results: dict[str, list[dict]], args, param_counts: str) -> dict[str, float]:
+    """The throughput table and the phase table for one size; returns median episodes/s by contender."""
+    eps = {c: median_of(results[c], lambda s: s["episodes"] / s["seconds"]) for c in CONTENDERS}
+    tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in CONTENDERS}
+    print(f"\n== {size}: {param_counts}, B={BATCH}, T={RESPONSE_LENGTH}, "
+          f"num_ppo_epochs={args.ppo_epochs}, median of {args.repeats} repeats x "
+          f"{results['upstream'][0]['updates']} timed update(s) ==")
+    print(f"{'contender':<18} | {'episodes/s':>10} | {'resp tok/s':>10} | {'s/update':>8} | "
+          f"{'mean len':>8} | {'eps ratio':>9} | {'tok ratio':>9} | paired eps ratios")
+    print("-" * 110)
+    for c in CONTENDERS:
+        runs = results[c]
+        mean_len = sum(s["tokens"] for s in runs) / sum(s["episodes"] for s in runs)
+        paired = [o["episodes"] / o["seconds"] / (u["episodes"] / u["seconds"])
+                  for o, u in zip(runs, results["upstream"])]
+        print(f"{LABELS[c]:<18} | {eps[c]:>10.3f} | {tps[c]:>10.1f} | "
+              f"{median_of(runs, lambda s: s['seconds'] / s['updates']):>8.3f} | {mean_len:>8.1f} | "
+              f"{eps[c] / eps['upstream']:>8.2f}x | {tps[c] / tps['upstream']:>8.2f}x | "
+              + ", ".join(f"{p:.2f}" for p in paired))
+    print_phase_table(results)
+    return eps
+
+
+def print_phase_table(results: dict[str, list[dict]]) -> None:
+    """Seconds per update in each phase (median over repeats) and its share of the update."""
+    def per_update(s, phase):
+        return s["phases"].get(phase, 0.0) / s["updates"]
+
+    print("\nphase time per update, s (share of the update), median over repeats:")
+    header = " | ".join(f"{p:>14}" for p in TOP_PHASES)
+    print(f"{'contender':<18} | {header}")
+    for c in CONTENDERS:
+        runs = results[c]
+        cells = []
+        for p in TOP_PHASES:
+            sec = median_of(runs, lambda s, p=p: per_update(s, p))
+            share = median_of(runs, lambda s, p=p: s["phases"].get(p, 0.0) / s["seconds"])
+            cells.append(f"{sec:>7.3f} ({share:>4.0%})")
+        print(f"{LABELS[c]:<18} | " + " | ".join(cells))
+    print("scoring forwards per update, s:")
+    for c in CONTENDERS:
+        parts = [f"{SCORE_LABELS[p]} {median_of(results[c], lambda s, p=p: per_update(s, p)):.3f}"
+                 for p in SCORE_PARTS if any(p in s["phases"] for s in results[c])]
+        print(f"  {LABELS[c]:<18} " + ", ".join(parts))
+    print("update parts per update, s (forward+loss+rest = update - the others):")
+    for c in CONTENDERS:
+        parts = {p: median_of(results[c], lambda s, p=p: per_update(s, p)) for p in UPDATE_PARTS}
+        rest = median_of(results[c], lambda s: per_update(s, "update") - sum(per_update(s, p) for p in UPDATE_PARTS))
+        print(f"  {LABELS[c]:<18} " + ", ".join(f"{UPDATE_LABELS[p]} {v:.3f}" for p, v in parts.items())
+              + f", forward+loss+rest {rest:.3f}")
+
+
+def describe_machine(args) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+    import trl
+
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"transformers {transformers.__version__}, trl {trl.__version__}, fp32")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,100m", help="comma-separated: " + ", ".join(SIZES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=None,
+                        help=f"timed updates per run, after one warm-up (default {DEFAULT_UPDATES})")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="num_ppo_epochs for every contender")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, see above)")
+    args = parser.parse_args()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or not sizes:
+        parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
+    if args.repeats < 1 or (args.updates is not None and args.updates < 1):
+        parser.error("--repeats and --updates must be >= 1")
+    torch.set_num_threads(args.threads)
+    logging.getLogger("trl_ppo_ext").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")  # deprecation notices from transformers/peft would bury the table
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+    started = time.perf_counter()
+    print(describe_machine(args), flush=True)
+    ratios = {}
+    for size in sizes:
+        results, param_counts = measure_size(size, args)
+        ratios[size] = print_size_table(size, results, args, param_counts)
+    print(f"\ntotal runtime: {time.perf_counter() - started:.0f} s")
+    eps = ratios[sizes[-1]] if "100m" not in ratios else ratios["100m"]
+    print(f"throughput ratio separate/upstream: {eps['separate'] / eps['upstream']:.2f}")
+    print(f"throughput ratio shared/upstream: {eps['shared'] / eps['upstream']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
