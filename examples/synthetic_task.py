@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from datasets import Dataset
 
+from trl_ppo_ext.policy_value import score_at
 from trl_ppo_ext.tiny import SPECIAL_TOKENS, build_tiny_scorer, build_tiny_tokenizer
 
 NICE_WORDS = ("kind", "clear", "true", "calm", "warm", "bright", "fair", "safe", "wise", "glad")
@@ -246,7 +247,6 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, pad_token_id: 
     """Scalar head of ``model`` at the last token of each (unpadded) sequence."""
     if any(len(s) == 0 for s in sequences):
         raise ValueError("score_sequences: an empty sequence has no last token to score.")
-    backbone = getattr(model, model.base_model_prefix)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -261,11 +261,10 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, pad_token_id: 
                 for row, seq in enumerate(chunk):  # right padding: real tokens first
                     input_ids[row, : len(seq)] = torch.tensor(seq)
                     attention_mask[row, : len(seq)] = 1
-                hidden = backbone(input_ids=input_ids.to(device),
-                                  attention_mask=attention_mask.to(device)).last_hidden_state  # (b, L, H)
-                last = attention_mask.sum(-1).to(device) - 1  # (b,) index of the last real token
-                pooled = hidden[torch.arange(len(chunk), device=device), last]  # (b, H)
-                scores.extend(model.score(pooled).squeeze(-1).float().tolist())
+                position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+                last = attention_mask.sum(-1) - 1  # (b,) index of the last real token
+                batch = [t.to(device) for t in (input_ids, attention_mask, position_ids)]
+                scores.extend(score_at(model, *batch, index=last.to(device)).tolist())
     finally:
         model.train(was_training)
     return scores
