@@ -372,11 +372,10 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
     def _setup_dataloaders(self) -> None:
         # The shuffle order is a function of (seed, epoch), the same on every process, so a
         # resumed run finds its place without replaying RNG draws.
-        self.dataloader_sampler = EpochSeededSampler(len(self.train_dataset), self.args.seed)
         self.dataloader = DataLoader(
             self.train_dataset,
             batch_size=self.local_dataloader_batch_size,
-            sampler=self.dataloader_sampler,
+            sampler=EpochSeededSampler(len(self.train_dataset), self.args.seed),
             collate_fn=self.data_collator,
             drop_last=True,  # every rollout batch has the same size
             # Each new iterator draws a worker seed; from its own generator, not the global RNG,
