@@ -182,6 +182,8 @@ DEMO_DEFAULTS = dict(
     local_rollout_forward_batch_size=64,
     per_device_eval_batch_size=64,
     num_sample_generations=0,  # the before/after evaluation below replaces TRL's sample tables
+    eval_strategy="steps",  # every 8 updates: held-out prompts, logged as eval/* (incl. the true reward)
+    eval_steps=8,
     save_strategy="no",
     logging_steps=2,  # one short line every 2 updates under the progress bar
     report_to="none",
@@ -553,7 +555,8 @@ class UpdateLineProgress(ProgressCallback):
     any ``report_to`` integration."""
 
     SHOWN = (("objective/scores", "RM score"), ("objective/kl", "KL"), ("policy/entropy_avg", "entropy"),
-             ("val/eos_rate", "EOS rate"), ("val/response_length", "length"), ("policy/clipfrac_avg", "clipfrac"))
+             ("val/eos_rate", "EOS rate"), ("val/response_length", "length"), ("policy/clipfrac_avg", "clipfrac"),
+             ("eval/true_reward", "held-out true reward"))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or self.training_bar is None or "episode" not in (logs or {}):
@@ -648,8 +651,15 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     set_seed(config.seed)
     setup = (build_demo if script.model_name_or_path is None else build_real)(script, config, model_args)
 
+    # Held-out evaluation during training: the demo knows the true rule, so it logs it as
+    # eval/true_reward next to eval/rm_score (a reward_hacking_metric for the guard rails).
+    eval_metrics = None
+    if setup.task is not None:
+        eval_metrics = {"true_reward": lambda prompts, completions: [setup.task.true_reward(None, c)
+                                                                     for c in completions]}
     trainer = PPOTrainer(args=config, processing_class=setup.tokenizer, model=setup.model, ref_model=None,
-                         reward_model=setup.reward_model, train_dataset=setup.train_prompts, value_model=None)
+                         reward_model=setup.reward_model, train_dataset=setup.train_prompts, value_model=None,
+                         eval_dataset=setup.eval_prompts if eval_metrics else None, eval_metrics=eval_metrics)
     if not config.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(UpdateLineProgress())

@@ -852,7 +852,8 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
     def evaluate_heldout(self) -> dict[str, float]:
         """Sample completions for ``eval_dataset`` with a fixed seed (training RNG untouched) and
         compute ``eval/rm_score``, ``eval/response_length``, ``eval/kl`` and each user metric
-        ``eval/<name>`` from ``eval_metrics`` callables ``(prompts, completions) -> list[float]``."""
+        ``eval/<name>`` from ``eval_metrics`` callables ``(prompts, completions) -> list[float]``
+        (prompts decoded without special tokens; completions with them, e.g. a final EOS)."""
         tok = self.processing_class
         sums, prompts, completions = defaultdict(float), [], []
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -865,8 +866,9 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
                 sums["eval/kl"] += float((r.logprobs - r.ref_logprobs).sum())
                 sums["n"] += r.batch_size
                 prompts += tok.batch_decode([q[m] for q, m in zip(r.queries, r.query_mask)], skip_special_tokens=True)
-                completions += [tok.decode(x[m].tolist(), skip_special_tokens=True)
-                                for x, m in zip(r.responses, r.response_mask)]
+                # Completions keep their special tokens: whether one ended with EOS is often what a
+                # held-out metric checks.
+                completions += [tok.decode(x[m].tolist()) for x, m in zip(r.responses, r.response_mask)]
         totals = self.accelerator.reduce(torch.tensor([sums[k] for k in ("eval/rm_score", "eval/response_length",
                                                                           "eval/kl", "n")],
                                                       device=self.accelerator.device), reduction="sum")
