@@ -56,7 +56,6 @@ import time
 _T0 = time.perf_counter()  # the wall time reported in summary.json starts here
 
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
@@ -80,6 +79,7 @@ from transformers import HfArgumentParser, ProgressCallback, set_seed  # noqa: E
 
 from trl_ppo_ext import PPOConfig, PPOTrainer  # noqa: E402
 from trl_ppo_ext.data import render_prompts  # noqa: E402
+from trl_ppo_ext.manifest import to_jsonable  # noqa: E402
 
 # transformers 5 deprecates the `gradient_checkpointing` name that TRL's configs set by default;
 # nothing for the user to change (this script never turns checkpointing on).
@@ -577,19 +577,6 @@ PPO_SETTINGS = ("learning_rate", "total_episodes", "batch_size", "num_total_batc
                 "lr_scheduler_type", "max_grad_norm", "bf16", "offload_reward_model", "seed")
 
 
-def _jsonable(value):
-    """Strict JSON: non-finite floats as strings, enums by value, anything else unknown as str."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    return str(getattr(value, "value", value))
-
-
 def build_summary(setup: Setup, trainer: PPOTrainer, before: Evaluation, after: Evaluation, *, script, model_args,
                   threads: int, times: dict) -> dict:
     """summary.json: the before/after numbers first, then every setting used."""
@@ -624,7 +611,7 @@ def build_summary(setup: Setup, trainer: PPOTrainer, before: Evaluation, after: 
         "output_dir": config.output_dir, "torch_num_threads": threads, "device": str(trainer.accelerator.device),
         "versions": package_versions(),
     }
-    return _jsonable(summary)
+    return to_jsonable(summary)
 
 
 def print_summary(summary: dict, path: str) -> None:
@@ -684,7 +671,7 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
         with open(path, "w") as f:
             json.dump(summary, f, indent=2, allow_nan=False)
         with open(os.path.join(config.output_dir, "log_history.json"), "w") as f:
-            json.dump(_jsonable(trainer.state.log_history), f, indent=1, allow_nan=False)
+            json.dump(to_jsonable(trainer.state.log_history), f, indent=1, allow_nan=False)
         print_summary(summary, path)
     return summary
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from trl_ppo_ext import offload
 from trl_ppo_ext.modeling import load_reward_model
 from trl_ppo_ext.offload import module_devices, on_device
 from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
@@ -45,7 +44,7 @@ class Unmovable(nn.Linear):
 @pytest.fixture
 def fresh_log_once(monkeypatch):
     """Forget which one-time messages this process already logged."""
-    monkeypatch.setattr(offload, "_SAID", set())
+    monkeypatch.setattr("trl_ppo_ext.quantization._LOGGED", set())
 
 
 @pytest.fixture

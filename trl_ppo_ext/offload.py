@@ -34,18 +34,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .quantization import is_4bit_model, make_4bit_cpu_safe
+from .quantization import is_4bit_model, log_once, make_4bit_cpu_safe
 
 logger = logging.getLogger(__name__)
-
-_SAID: set[str] = set()
 
 
 def _say_once(level: int, message: str) -> None:
     """Log ``message`` at ``level`` at most once per process."""
-    if message not in _SAID:
-        _SAID.add(message)
-        logger.log(level, message)
+    log_once(logger, level, message)
 
 
 def module_devices(model: nn.Module) -> set[torch.device]:

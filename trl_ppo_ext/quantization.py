@@ -204,7 +204,8 @@ def resolve_compute_dtype(bf16: bool | None, device: str | torch.device) -> torc
     device = torch.device(device)
     if device.type != "cuda":
         if bf16:
-            _log_once(
+            log_once(
+                logger, logging.INFO,
                 f"bf16=True is ignored on device {device}: 4-bit layers and norms compute in "
                 "fp32 there, and bf16 embeddings/lm_head would break generation; using fp32."
             )
@@ -220,11 +221,12 @@ def resolve_compute_dtype(bf16: bool | None, device: str | torch.device) -> torc
     return torch.bfloat16 if supported else torch.float32
 
 
-_LOGGED: set[str] = set()
+_LOGGED: set[tuple[str, str]] = set()
 
 
-def _log_once(message: str) -> None:
-    """``logger.info(message)``, at most once per process for the same text."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)
+def log_once(log: logging.Logger, level: int, message: str) -> None:
+    """``log.log(level, message)``, at most once per process for the same logger and text."""
+    key = (log.name, message)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.log(level, message)
