@@ -571,7 +571,10 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         else:  # a custom collator without a mask: the only remaining signal is the pad id
             mask = ids != self.processing_class.pad_token_id
         if ids.shape[1] == 0 or not mask.any(dim=1).all():
-            raise ValueError("A batch holds an empty prompt; every prompt needs at least one token.")
+            raise ValueError(
+                "A batch holds an empty prompt (no attended token). Every prompt needs at least one token: drop "
+                "empty rows from the dataset, and check that the data_collator returns an `attention_mask`."
+            )
         return left_pad(ids, mask, self.processing_class.pad_token_id)
 
     @torch.no_grad()
