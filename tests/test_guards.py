@@ -31,6 +31,11 @@ def run(guards, series, start=1):
     return [guards.check(m, update) for update, m in enumerate(series, start=start)]
 
 
+def _halting(**overrides):
+    """Every guard off but ``overrides``; heuristic guards halt and count from the first update."""
+    return GuardSettings.all_off(**{"guard_action": "halt", "guard_warmup": 0, **overrides})
+
+
 def halts(decisions):
     return [d.halt for d in decisions]
 
@@ -45,6 +50,7 @@ def test_defaults_are_the_documented_ones():
     assert s.range_patience == 3
     assert [s.kl_min, s.kl_max, s.entropy_min, s.entropy_max, s.length_min, s.length_max] == [None] * 6
     assert s.reward_hacking_metric is None
+    assert (s.guard_action, s.halt_guards, s.guard_warmup) == ("warn", None, 10)
 
 
 def test_default_guards_stay_quiet_on_a_healthy_run_and_log_their_figures():
@@ -61,7 +67,7 @@ def test_default_guards_stay_quiet_on_a_healthy_run_and_log_their_figures():
 
 
 def test_everything_off_never_fires_and_needs_no_metrics():
-    guards = GuardRails(GuardSettings.all_off())
+    guards = GuardRails(_halting())
     terrible = {k: NAN for k in healthy()} | {"policy/clipfrac_avg": 0.99, "val/explained_variance": -100.0}
     for update in range(1, 31):
         for _ in range(5):
@@ -72,7 +78,7 @@ def test_everything_off_never_fires_and_needs_no_metrics():
 
 
 def test_an_enabled_guard_with_its_metric_missing_says_which():
-    guards = GuardRails(GuardSettings.all_off(kl_max=10.0))
+    guards = GuardRails(_halting(kl_max=10.0))
     expected = r"Guard 'kl_range' is on but metrics has no 'objective/kl'.*kl_min/kl_max=None"
     with pytest.raises(ValueError, match=expected):
         guards.check({"loss/value_avg": 0.1}, 1)
@@ -80,7 +86,7 @@ def test_an_enabled_guard_with_its_metric_missing_says_which():
 
 # ---------------------------------------------------------------------- nonfinite
 def test_nonfinite_halts_at_the_third_consecutive_skipped_step():
-    guards = GuardRails(GuardSettings.all_off(nonfinite_halt_after=3))
+    guards = GuardRails(_halting(nonfinite_halt_after=3))
     assert not guards.nonfinite_step(7).halt
     assert not guards.nonfinite_step(7).halt
     decision = guards.nonfinite_step(7)
@@ -92,7 +98,7 @@ def test_nonfinite_halts_at_the_third_consecutive_skipped_step():
 
 
 def test_a_finite_step_resets_the_run_but_not_the_total():
-    guards = GuardRails(GuardSettings.all_off(nonfinite_halt_after=3))
+    guards = GuardRails(_halting(nonfinite_halt_after=3))
     for step in ("nan", "nan", "ok", "nan", "nan", "ok"):
         decision = guards.nonfinite_step(1) if step == "nan" else guards.finite_step()
         assert decision is None or not decision.halt
@@ -102,7 +108,7 @@ def test_a_finite_step_resets_the_run_but_not_the_total():
 
 
 def test_check_reports_a_run_that_reached_the_limit_inside_the_update_once():
-    guards = GuardRails(GuardSettings.all_off(nonfinite_halt_after=3))
+    guards = GuardRails(_halting(nonfinite_halt_after=3))
     for _ in range(3):
         guards.nonfinite_step(4)
     guards.finite_step()  # the trainer kept going to the end of update 4
@@ -113,13 +119,13 @@ def test_check_reports_a_run_that_reached_the_limit_inside_the_update_once():
 
 
 def test_nonfinite_off_never_halts():
-    guards = GuardRails(GuardSettings.all_off(nonfinite_halt_after=None))
+    guards = GuardRails(_halting(nonfinite_halt_after=None))
     assert not any(guards.nonfinite_step(1).halt for _ in range(20))
 
 
 # ---------------------------------------------------------------------- value divergence
 def test_explained_variance_fires_at_the_patience_th_consecutive_update():
-    guards = GuardRails(GuardSettings.all_off(min_explained_variance=-1.0, value_patience=3))
+    guards = GuardRails(_halting(min_explained_variance=-1.0, value_patience=3))
     ev = [-1.5, -1.5, -0.5, -1.0, -1.5, -2.0, -1.5]
     # streaks:  1,    2,    0 (reset), 0 (-1.0 is on the bound: allowed), 1, 2, 3 -> fires at update 7
     decisions = run(guards, [healthy(**{"val/explained_variance": v}) for v in ev])
@@ -133,7 +139,7 @@ def test_explained_variance_fires_at_the_patience_th_consecutive_update():
 
 
 def test_value_loss_bound_and_nan_count_as_divergence():
-    guards = GuardRails(GuardSettings.all_off(max_value_loss=2.0, value_patience=2))
+    guards = GuardRails(_halting(max_value_loss=2.0, value_patience=2))
     losses = [2.0, 2.5, 1.0, 2.5, NAN]
     # 2.0 on the bound is fine; 2.5 -> 1; 1.0 resets; 2.5 -> 1; NaN -> 2: fires at update 5
     decisions = run(guards, [healthy(**{"loss/value_avg": v}) for v in losses])
@@ -151,7 +157,7 @@ def test_value_loss_bound_and_nan_count_as_divergence():
     ],
 )
 def test_range_guards_fire_at_range_patience_on_either_side(name, key, prefix, low, high, inside, below, above):
-    settings = GuardSettings.all_off(**{f"{prefix}_min": low, f"{prefix}_max": high, "range_patience": 3})
+    settings = _halting(**{f"{prefix}_min": low, f"{prefix}_max": high, "range_patience": 3})
     guards = GuardRails(settings)
     series = [above, below, inside, below, above, NAN]
     # streaks: 1, 2, 0 (bounds are inclusive), 1, 2, 3 (NaN is never inside) -> fires at update 6
@@ -165,7 +171,7 @@ def test_range_guards_fire_at_range_patience_on_either_side(name, key, prefix, l
 
 
 def test_a_one_sided_range():
-    guards = GuardRails(GuardSettings.all_off(kl_max=10.0, range_patience=1))
+    guards = GuardRails(_halting(kl_max=10.0, range_patience=1))
     assert not guards.check(healthy(**{"objective/kl": -50.0}), 1).halt  # no lower bound
     decision = guards.check(healthy(**{"objective/kl": 10.5}), 2)
     assert decision.halt and "objective/kl=10.5 outside [kl_min=None, kl_max=10]" in decision.message
@@ -173,7 +179,7 @@ def test_a_one_sided_range():
 
 # ---------------------------------------------------------------------- clip fraction
 def test_clip_fraction_fires_after_clip_patience_updates_above_the_bound():
-    guards = GuardRails(GuardSettings.all_off(max_clip_fraction=0.3, clip_patience=2))
+    guards = GuardRails(_halting(max_clip_fraction=0.3, clip_patience=2))
     fractions = [0.31, 0.3, 0.35, 0.4]
     # 0.31 -> 1; 0.3 (on the bound) resets; 0.35 -> 1; 0.4 -> 2: fires at update 4
     decisions = run(guards, [healthy(**{"policy/clipfrac_avg": v}) for v in fractions])
@@ -185,7 +191,7 @@ def test_clip_fraction_fires_after_clip_patience_updates_above_the_bound():
 
 # ---------------------------------------------------------------------- stale rollouts
 def test_stale_rollouts_halt_at_the_limit_and_reset_on_a_fresh_one():
-    guards = GuardRails(GuardSettings.all_off(stale_halt_after=3))
+    guards = GuardRails(_halting(stale_halt_after=3))
     assert not guards.stale_rollout(2).halt
     assert not guards.stale_rollout(2).halt
     guards.fresh_rollout()
@@ -204,7 +210,7 @@ def test_stale_rollouts_halt_at_the_limit_and_reset_on_a_fresh_one():
 def hacking_guards(**overrides):
     kwargs = dict(reward_hacking_metric="win_rate", reward_hacking_window=4, reward_hacking_margin=0.5)
     kwargs.update(overrides)
-    return GuardRails(GuardSettings.all_off(**kwargs))
+    return GuardRails(_halting(**kwargs))
 
 
 def test_reward_hacking_fires_when_the_window_is_full_and_heldout_is_flat():
@@ -269,7 +275,7 @@ def test_reward_hacking_needs_heldout_in_both_halves_and_slides():
 
 # ---------------------------------------------------------------------- several guards, settings
 def test_the_first_guard_in_order_takes_precedence_and_names_the_others():
-    guards = GuardRails(GuardSettings.all_off(kl_max=1.0, max_clip_fraction=0.2, range_patience=1, clip_patience=1))
+    guards = GuardRails(_halting(kl_max=1.0, max_clip_fraction=0.2, range_patience=1, clip_patience=1))
     decision = guards.check(healthy(**{"objective/kl": 5.0, "policy/clipfrac_avg": 0.9}), 1)
     assert decision.guard == "kl_range"
     assert decision.message.endswith("(Also fired: clip_fraction.)")
@@ -300,6 +306,7 @@ def test_a_metric_name_gets_the_eval_prefix():
 # ---------------------------------------------------------------------- exact resume
 def test_state_round_trip_resumes_every_counter_exactly():
     settings = GuardSettings(
+        guard_action="halt", guard_warmup=0,
         nonfinite_halt_after=3, min_explained_variance=-1.0, value_patience=3, kl_max=10.0, range_patience=3,
         max_clip_fraction=0.5, clip_patience=3, stale_halt_after=3,
         reward_hacking_metric="win_rate", reward_hacking_window=4, reward_hacking_margin=0.5,
@@ -336,9 +343,78 @@ def test_load_state_rejects_a_foreign_dict():
 
 
 def test_state_keeps_nan_scores_through_json():
-    guards = GuardRails(GuardSettings.all_off(reward_hacking_metric="win_rate", reward_hacking_window=4))
+    guards = GuardRails(_halting(reward_hacking_metric="win_rate", reward_hacking_window=4))
     guards.check({"objective/scores": NAN}, 1)
     state = json.loads(json.dumps(guards.state_dict()))
     resumed = GuardRails(guards.settings)
     resumed.load_state_dict(state)
     assert math.isnan(resumed.state_dict()["history"][0][1])
+
+
+# ---------------------------------------------------------------------- warm-up, trend, warn by default
+def _fresh_critic_series(n, ev=-7.2, loss_start=11.0, loss_step=-0.02):
+    """A fresh critic fitting slowly: explained variance far below -1, value loss falling."""
+    return [healthy(**{"val/explained_variance": ev, "loss/value_avg": loss_start + loss_step * u})
+            for u in range(n)]
+
+
+def test_a_fresh_critic_with_a_falling_value_loss_never_fires_the_value_guard():
+    # The issue's run: EV -7.2 for many updates while the value loss falls 11.0 -> 9.4.
+    guards = GuardRails(GuardSettings(guard_action="halt"))
+    decisions = run(guards, _fresh_critic_series(80))
+    assert not any(halts(decisions)) and not any(d.warnings for d in decisions)
+
+
+def test_value_guard_counts_only_after_the_warm_up_and_needs_a_loss_that_does_not_fall():
+    settings = _halting(min_explained_variance=-1.0, value_patience=4, guard_warmup=5)
+    guards = GuardRails(settings)
+    # updates 1-5 are warm-up: nothing counts; from update 6 the streak runs 1, 2, 3, 4 -> fires at 9
+    decisions = run(guards, _fresh_critic_series(9, loss_step=0.0))
+    assert [d.figures["guard/value_divergence"] for d in decisions] == [0, 0, 0, 0, 0, 1, 2, 3, 4]
+    assert halts(decisions) == [False] * 8 + [True]
+    assert "while loss/value_avg did not fall" in decisions[-1].message
+    # the same run with the loss falling by 0.1 an update: second half of the window is lower -> no fire
+    falling = run(GuardRails(settings), _fresh_critic_series(12, loss_step=-0.1))
+    assert not any(halts(falling))
+
+
+def test_heuristic_guards_warn_once_per_episode_by_default():
+    guards = GuardRails(GuardSettings.all_off(max_clip_fraction=0.3, clip_patience=2, guard_warmup=0))
+    clip = [0.4, 0.4, 0.4, 0.4, 0.1, 0.4, 0.4]
+    decisions = run(guards, [healthy(**{"policy/clipfrac_avg": c}) for c in clip])
+    assert not any(halts(decisions))
+    # streaks 1, 2 (fires: warns), 3 (still firing: silent), 4, 0 (clear), 1, 2 (fires again: warns)
+    assert [len(d.warnings) for d in decisions] == [0, 1, 0, 0, 0, 0, 1]
+    warning = decisions[1].warnings[0]
+    for fragment in ("Guard 'clip_fraction' fired at update 2", "policy/clipfrac_avg=0.4",
+                     "Training goes on (guard_action='warn')", "halt_guards=['clip_fraction']"):
+        assert fragment in warning
+
+
+def test_halt_guards_makes_one_heuristic_guard_halt_under_warn():
+    settings = GuardSettings.all_off(max_clip_fraction=0.3, clip_patience=1, kl_max=3.0, range_patience=1,
+                                     guard_warmup=0, halt_guards=["kl_range"])
+    guards = GuardRails(settings)
+    clipping = guards.check(healthy(**{"policy/clipfrac_avg": 0.9}), 1)
+    assert not clipping.halt and len(clipping.warnings) == 1
+    kl = guards.check(healthy(**{"objective/kl": 5.0}), 2)
+    assert kl.halt and kl.guard == "kl_range"
+
+
+def test_hard_guards_halt_whatever_guard_action_says():
+    guards = GuardRails(GuardSettings.all_off(nonfinite_halt_after=2, stale_halt_after=2))
+    assert guards.settings.guard_action == "warn"
+    guards.nonfinite_step(1)
+    assert guards.nonfinite_step(1).halt
+    guards.stale_rollout(1)
+    assert guards.stale_rollout(1).halt
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(guard_action="stop"), "guard_action must be 'warn' or 'halt', got 'stop'"),
+    (dict(halt_guards=["nonfinite"]), r"halt_guards has \['nonfinite'\], which are not heuristic guards"),
+    (dict(guard_warmup=-1), "guard_warmup must be an int >= 0, got -1"),
+])
+def test_bad_guard_action_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GuardSettings(**kwargs)

@@ -126,8 +126,8 @@ def test_error_no_value_model_and_no_peft_config(tmp_path):
 def test_error_reward_model_without_scalar_head(tmp_path):
     tok = build_tiny_tokenizer()
     rm = build_tiny_scorer(tok)
-    rm.config.num_labels = 2
-    with pytest.raises(ValueError, match=r"`reward_model` has num_labels=2.*num_labels=1"):
+    rm.score = torch.nn.Linear(rm.score.in_features, 2, bias=False)
+    with pytest.raises(ValueError, match=r"`reward_model`'s score head has 2 outputs.*num_labels=1"):
         PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=build_tiny_causal_lm(tok),
                    ref_model=None, reward_model=rm, train_dataset=prompt_dataset(tok),
                    value_model=build_tiny_scorer(tok))

@@ -83,7 +83,9 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
 # --------------------------------------------------------------------------- masks
 
 
-def response_mask(responses: torch.Tensor, stop_token_id: Optional[int]) -> torch.Tensor:
+def response_mask(
+    responses: torch.Tensor, stop_token_id: Optional[Union[int, Sequence[int]]]
+) -> torch.Tensor:
     """Which response tokens count: the first token through the FIRST stop token.
 
     The mask is never inferred from a pad id: the pad id may equal the EOS id, and a
@@ -92,8 +94,8 @@ def response_mask(responses: torch.Tensor, stop_token_id: Optional[int]) -> torc
 
     Args:
         responses: generated token ids without the prompt, shape (B, T).
-        stop_token_id: the id that ends a response (usually EOS), or None when generation
-            has no stop token.
+        stop_token_id: the id that ends a response (usually EOS), a sequence of such ids
+            (the first of any of them ends it), or None when generation has no stop token.
 
     Returns:
         bool (B, T): True from position 0 through the first ``stop_token_id`` inclusive;
@@ -109,7 +111,10 @@ def response_mask(responses: torch.Tensor, stop_token_id: Optional[int]) -> torc
         raise ValueError(f"responses must have shape (B, T), got shape {tuple(responses.shape)}")
     if stop_token_id is None:
         return torch.ones_like(responses, dtype=torch.bool)
-    is_stop = responses == stop_token_id
+    if isinstance(stop_token_id, int):
+        is_stop = responses == stop_token_id
+    else:
+        is_stop = torch.isin(responses, torch.as_tensor(list(stop_token_id), device=responses.device))
     # stops_before[b, t] = sum(is_stop[b, :t])  (stop tokens strictly before t)
     stops_before = torch.cumsum(is_stop, dim=1) - is_stop.long()
     return stops_before == 0
@@ -414,6 +419,36 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return squared_deviations / (count - int(unbiased)).clamp(min=1).to(x.dtype)
 
 
+def masked_token_mean(
+    x: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[Union[float, torch.Tensor]] = None
+) -> torch.Tensor:
+    """``sum(x[mask]) / num_tokens``: this batch's share of a mean over ``num_tokens`` tokens.
+
+    A loss over a mini-batch cut into micro-batches (and processes) must divide each
+    micro-batch's token sum by the token count of the WHOLE mini-batch: the mean of
+    per-micro-batch means weighs a token of a short micro-batch more, and changes with the
+    micro-batch size. Summing this over the micro-batches gives the mini-batch token mean.
+
+    Args:
+        x: any shape, e.g. (B, T). mask: bool, same shape.
+        num_tokens: the divisor (> 0); None divides by ``mask.sum()`` (``masked_mean``).
+
+    Returns:
+        Scalar, differentiable in ``x``.
+
+    Example:
+        >>> masked_token_mean(torch.tensor([[1., 2.], [3., 9.]]), torch.tensor([[True, True], [True, False]]), 6)
+        tensor(1.)
+    """
+    if num_tokens is None:
+        return masked_mean(x, mask)
+    _check_mask(mask, "mask")
+    if not x.is_floating_point():
+        x = x.float()
+    total = torch.where(mask.expand(x.shape), x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    return total / torch.as_tensor(num_tokens, dtype=x.dtype, device=x.device).clamp(min=1e-12)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -534,6 +569,7 @@ def masked_clipped_surrogate(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange: float,
+    num_tokens: Optional[Union[float, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped policy loss, averaged over all valid tokens of the batch.
 
@@ -546,10 +582,12 @@ def masked_clipped_surrogate(
         advantages: (B, T), usually whitened and detached.
         response_mask: bool (B, T).
         cliprange: eps >= 0; the ratio is clipped to [1 - eps, 1 + eps].
+        num_tokens: divide the token sum by this instead of this batch's valid-token count
+            (see ``masked_token_mean``); None: the mean over this batch.
 
     Returns:
         ``(loss, clipfrac)`` scalars: ``loss = -masked_mean(min(ratio * A, clip(ratio) * A))``
-        and the (detached) share of valid tokens where the clipped term is strictly
+        (or that sum over ``num_tokens``) and the (detached) share of valid tokens where the clipped term is strictly
         smaller, i.e. the one chosen. Both 0 for an empty mask.
     """
     _check_mask(response_mask)
@@ -561,7 +599,7 @@ def masked_clipped_surrogate(
     advantages = torch.where(response_mask, advantages.to(dtype), zero)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages
-    loss = -masked_mean(torch.minimum(unclipped, clipped), response_mask)
+    loss = -masked_token_mean(torch.minimum(unclipped, clipped), response_mask, num_tokens)
     clipfrac = masked_mean((clipped < unclipped).to(dtype), response_mask).detach()
     return loss, clipfrac
 
@@ -572,6 +610,7 @@ def masked_clipped_value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange_value: Optional[float],
+    num_tokens: Optional[Union[float, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss ``0.5 * masked_mean(max((V - R)**2, (clip(V) - R)**2))``.
 
@@ -582,6 +621,8 @@ def masked_clipped_value_loss(
         response_mask: bool (B, T).
         cliprange_value: eps_v >= 0, V is clipped to [V_old - eps_v, V_old + eps_v];
             None means no clipping.
+        num_tokens: divide the token sum by this instead of this batch's valid-token count
+            (see ``masked_token_mean``); None: the mean over this batch.
 
     Returns:
         ``(loss, clipfrac)`` scalars; clipfrac (detached) is the share of valid tokens
@@ -598,14 +639,14 @@ def masked_clipped_value_loss(
     )
     unclipped = (new_values - returns).square()
     if cliprange_value is None:
-        return 0.5 * masked_mean(unclipped, response_mask), zero.clone()
+        return 0.5 * masked_token_mean(unclipped, response_mask, num_tokens), zero.clone()
     _check_range("cliprange_value", cliprange_value, 0.0, float("inf"))
     # clip(V, V_old - eps, V_old + eps)
     clipped_values = torch.clamp(
         new_values, old_values - cliprange_value, old_values + cliprange_value
     )
     clipped = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    loss = 0.5 * masked_token_mean(torch.maximum(unclipped, clipped), response_mask, num_tokens)
     clipfrac = masked_mean((clipped > unclipped).to(dtype), response_mask).detach()
     return loss, clipfrac
 
@@ -680,11 +721,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def masked_entropy(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def masked_entropy(
+    logits: torch.Tensor, response_mask: torch.Tensor, num_tokens: Optional[Union[float, torch.Tensor]] = None
+) -> torch.Tensor:
     """Mean token entropy over the valid tokens of the batch.
 
     Args:
         logits: (B, T, V). response_mask: bool (B, T).
+        num_tokens: divide the token sum by this instead (see ``masked_token_mean``).
 
     Returns:
         Scalar (differentiable), 0 for an empty mask.
@@ -692,7 +736,7 @@ def masked_entropy(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     _check_mask(response_mask)
     _check_logits(logits)
     _check_same_shape(logits_BT=logits[..., 0], response_mask=response_mask)
-    return masked_mean(entropy_from_logits(logits), response_mask)
+    return masked_token_mean(entropy_from_logits(logits), response_mask, num_tokens)
 
 
 def masked_explained_variance(

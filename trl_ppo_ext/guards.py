@@ -20,6 +20,15 @@ is None. Guards are deterministic functions of the metrics, so processes that se
 Thresholds that count updates are "patience" values: a guard with patience ``K`` fires at
 the ``K``-th consecutive update in violation, not before. A nonfinite figure (NaN/inf) is
 never within bounds, so it counts as a violation.
+
+Two kinds of guard. The *hard* ones (``nonfinite``, ``stale_rollouts``) see a run that cannot
+go on (every step skipped, rollouts that can never be fresh) and halt. The *heuristic* ones
+(value divergence, KL/entropy/length ranges, clip fraction, reward hacking) read trends that
+a healthy run can show for a while -- a fresh critic's explained variance is far below 0
+until it has fitted the returns -- so they start counting only after ``guard_warmup``
+updates, the value guard also needs the value loss not to be falling, and by default they
+warn (once per episode of trouble) instead of halting: ``guard_action="halt"``, or
+``halt_guards=[...]`` for single guards, makes them stop the run.
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ GUARD_NAMES = (
     "nonfinite", "value_divergence", "kl_range", "entropy_range", "length_range",
     "clip_fraction", "stale_rollouts", "reward_hacking",
 )
+# Guards that read a trend a healthy run can show: warm-up applies, and they warn by default.
+HEURISTIC_GUARDS = frozenset(
+    {"value_divergence", "kl_range", "entropy_range", "length_range", "clip_fraction", "reward_hacking"}
+)
 
 
 def _help(text: str) -> dict:
@@ -58,6 +71,17 @@ class GuardSettings:
     See each field's help for the reason behind its default.
     """
 
+    guard_action: Literal["warn", "halt"] = field(default="warn", metadata=_help(
+        "What a heuristic guard (value divergence, KL/entropy/length ranges, clip fraction, reward hacking) does "
+        "when it fires: 'warn' logs a warning once per episode of trouble and trains on (default: a drop-in "
+        "must finish the runs TRL finishes), 'halt' checkpoints and stops. The nonfinite and stale-rollout "
+        "guards always halt."))
+    halt_guards: list[str] | None = field(default=None, metadata=_help(
+        "Heuristic guards that halt even with guard_action='warn', e.g. ['kl_range', 'reward_hacking']."))
+    guard_warmup: int = field(default=10, metadata=_help(
+        "Updates before the heuristic guards start counting. Default 10: a fresh critic (random head, or "
+        "initialised from the reward model) has not fitted the returns yet, and its first updates say nothing "
+        "about divergence."))
     nonfinite_halt_after: int | None = field(default=3, metadata=_help(
         "Halt after this many consecutive optimizer steps skipped for a NaN/inf loss or gradient norm. "
         "Default 3: one skipped step can be a transient fp16 overflow; three in a row means the weights, "
@@ -66,8 +90,8 @@ class GuardSettings:
         "Value divergence: `loss/value_avg` above this (for value_patience updates) fires. Default off: "
         "the value loss scales with the square of the reward scale, so no bound is portable."))
     min_explained_variance: float | None = field(default=-1.0, metadata=_help(
-        "Value divergence: `val/explained_variance` below this (for value_patience updates) fires. "
-        "Default -1.0: below it the critic's error variance is more than twice the returns' variance, so its "
+        "Value divergence: `val/explained_variance` below this (for value_patience updates, with the value "
+        "loss not falling over them) fires. Default -1.0: below it the critic's error variance is more than twice the returns' variance, so its "
         "advantages are noisier than a constant baseline's; scale-free, so one default fits every task."))
     value_patience: int = field(default=10, metadata=_help(
         "Consecutive updates the value bounds must be violated before the guard fires. Default 10: a fresh "
@@ -117,6 +141,16 @@ class GuardSettings:
         "reward_hacking_metric_mode) by more than this. Default 0.0 (any improvement)."))
 
     def __post_init__(self) -> None:
+        if self.guard_action not in ("warn", "halt"):
+            raise ValueError(f"GuardSettings.guard_action must be 'warn' or 'halt', got {self.guard_action!r}.")
+        unknown = sorted(set(self.halt_guards or ()) - HEURISTIC_GUARDS)
+        if unknown:
+            raise ValueError(
+                f"GuardSettings.halt_guards has {unknown}, which are not heuristic guards; choose among "
+                f"{sorted(HEURISTIC_GUARDS)} (nonfinite and stale_rollouts always halt)."
+            )
+        if isinstance(self.guard_warmup, bool) or not isinstance(self.guard_warmup, int) or self.guard_warmup < 0:
+            raise ValueError(f"GuardSettings.guard_warmup must be an int >= 0, got {self.guard_warmup!r}.")
         for name in ("nonfinite_halt_after", "stale_halt_after", "value_patience", "range_patience",
                      "clip_patience"):
             value = getattr(self, name)
@@ -162,9 +196,10 @@ class GuardDecision:
     """What the guards say after an update (or after a skipped step / discarded rollout)."""
 
     halt: bool  # stop training now
-    guard: str | None  # the guard that fired (one of GUARD_NAMES), None when none did
-    message: str  # why: the guard, the values, the threshold and the update; "" when none fired
+    guard: str | None  # the guard that halted (one of GUARD_NAMES), None when none did
+    message: str  # why: the guard, the values, the threshold and the update; "" when none halted
     figures: dict[str, float]  # each enabled guard's current figure under `guard/<name>` keys, to log
+    warnings: list[str] = field(default_factory=list)  # heuristic guards that fired and only warn (new ones)
 
     @classmethod
     def keep_going(cls, figures: dict[str, float]) -> GuardDecision:
@@ -199,6 +234,8 @@ class GuardRails:
         self._stale_total = 0
         # (update, RM score, held-out value or None) of the last reward_hacking_window updates.
         self._history: deque = deque(maxlen=self.settings.reward_hacking_window)
+        self._value_losses: deque = deque(maxlen=self.settings.value_patience)  # during the value streak
+        self._warning: set[str] = set()  # warn-only guards firing at the last update
 
     # ------------------------------------------------------------------ events
     def nonfinite_step(self, update: int) -> GuardDecision:
@@ -262,12 +299,34 @@ class GuardRails:
             message = guard(metrics, update, figures)
             if message:
                 fired.append((name, message))
-        if not fired:
-            return GuardDecision.keep_going(figures)
-        name, message = fired[0]
+        warnings = self._new_warnings(fired)
+        halting = [(name, message) for name, message in fired if self._halts(name)]
+        if not halting:
+            return GuardDecision(halt=False, guard=None, message="", figures=figures, warnings=warnings)
+        name, message = halting[0]
         if len(fired) > 1:
-            message += f" (Also fired: {', '.join(other for other, _ in fired[1:])}.)"
-        return GuardDecision(halt=True, guard=name, message=message, figures=figures)
+            message += f" (Also fired: {', '.join(other for other, _ in fired if other != name)}.)"
+        return GuardDecision(halt=True, guard=name, message=message, figures=figures, warnings=warnings)
+
+    def _halts(self, name: str) -> bool:
+        s = self.settings
+        return name not in HEURISTIC_GUARDS or s.guard_action == "halt" or name in (s.halt_guards or ())
+
+    def _new_warnings(self, fired: list[tuple[str, str]]) -> list[str]:
+        """Messages of warn-only guards that fired now and did not at the previous update (one
+        warning per episode of trouble); a guard that stops firing can warn again later."""
+        now = {name for name, _ in fired if not self._halts(name)}
+        new = [
+            message.replace("halted training", "fired", 1)
+            + f" Training goes on (guard_action='warn'); set halt_guards=['{name}'] or guard_action='halt' to stop."
+            for name, message in fired if name in now and name not in self._warning
+        ]
+        self._warning = now
+        return new
+
+    def _counting(self, update: int) -> bool:
+        """Heuristic guards count violations only after the warm-up."""
+        return update > self.settings.guard_warmup
 
     # ------------------------------------------------------------------ single guards
     def _check_nonfinite(self, metrics, update, figures) -> str:
@@ -304,13 +363,19 @@ class GuardRails:
                 broken.append(
                     f"{KEY_EXPLAINED_VARIANCE}={_fmt(ev)} below min_explained_variance={_fmt(s.min_explained_variance)}"
                 )
-        streak = self._advance("value_divergence", bool(broken), figures)
-        if streak < s.value_patience:
+        violated = bool(broken) and self._counting(update)
+        streak = self._advance("value_divergence", violated, figures)
+        if not violated:
+            self._value_losses.clear()
             return ""
+        self._value_losses.append(float(metrics.get(KEY_VALUE_LOSS, float("nan"))))
+        if streak < s.value_patience or _falling(list(self._value_losses)):
+            return ""  # a critic whose loss falls is still fitting, not diverging
         return (
             f"Guard 'value_divergence' halted training at update {update}: {' and '.join(broken)}, for {streak} "
-            f"consecutive updates (value_patience={s.value_patience}). The critic is diverging: lower the learning "
-            "rate or vf_coef, enable cliprange_value, or check the reward scale (whiten_rewards)."
+            f"consecutive updates (value_patience={s.value_patience}) while {KEY_VALUE_LOSS} did not fall. The "
+            "critic is diverging: lower the learning rate or vf_coef, enable cliprange_value, or check the reward "
+            "scale (whiten_rewards)."
         )
 
     def _check_kl(self, metrics, update, figures) -> str:
@@ -327,7 +392,7 @@ class GuardRails:
         if low is None and high is None:
             return ""
         value = _metric(metrics, key, name, f"{prefix}_min/{prefix}_max")
-        streak = self._advance(name, _outside(value, low, high), figures)
+        streak = self._advance(name, _outside(value, low, high) and self._counting(update), figures)
         patience = self.settings.range_patience
         if streak < patience:
             return ""
@@ -342,7 +407,7 @@ class GuardRails:
         if bound is None:
             return ""
         value = _metric(metrics, KEY_CLIP_FRACTION, "clip_fraction", "max_clip_fraction")
-        streak = self._advance("clip_fraction", _outside(value, None, bound), figures)
+        streak = self._advance("clip_fraction", _outside(value, None, bound) and self._counting(update), figures)
         patience = self.settings.clip_patience
         if streak < patience:
             return ""
@@ -378,7 +443,7 @@ class GuardRails:
         heldout = metrics.get(s.reward_hacking_metric)
         self._history.append((update, score, None if heldout is None else float(heldout)))
         rises = _half_window_rises(list(self._history), s.reward_hacking_window)
-        if rises is None:
+        if rises is None or not self._counting(update):
             return ""
         score_rise, heldout_rise = rises
         figures["guard/reward_hacking_score_rise"] = score_rise
@@ -419,6 +484,7 @@ class GuardRails:
             "nonfinite_total": self._nonfinite_total,
             "stale_run": self._stale_run, "stale_total": self._stale_total,
             "history": [list(item) for item in self._history],
+            "value_losses": list(self._value_losses), "warning": sorted(self._warning),
             "settings": asdict(self.settings),  # informational: the thresholds in force when saved
         }
 
@@ -439,6 +505,9 @@ class GuardRails:
             ((int(u), float(s), None if h is None else float(h)) for u, s, h in state["history"]),
             maxlen=self.settings.reward_hacking_window,
         )
+        self._value_losses = deque((float(v) for v in state.get("value_losses", [])),
+                                   maxlen=self.settings.value_patience)
+        self._warning = set(state.get("warning", []))
 
 
 def _metric(metrics: dict[str, float], key: str, guard: str, setting: str) -> float:
@@ -465,6 +534,15 @@ def _half_window_rises(history: list, window: int) -> tuple[float, float | None]
     if not held_first or not held_second:
         return score_rise, None
     return score_rise, _mean(held_second) - _mean(held_first)
+
+
+def _falling(values: list[float]) -> bool:
+    """True when the second half of ``values`` has a lower mean than the first (a series of
+    fewer than 2 values, or with NaN, is not falling)."""
+    if len(values) < 2 or not all(math.isfinite(v) for v in values):
+        return False
+    half = len(values) // 2
+    return _mean(values[-half:]) < _mean(values[:half])
 
 
 def _mean(values: list[float]) -> float:

@@ -35,14 +35,26 @@ def backbone_hidden(model: nn.Module, input_ids, attention_mask, position_ids) -
 
 
 def scalar_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Apply a scalar head (``model.score``) to hidden states ``(..., H)`` -> ``(...)`` float32."""
+    """Apply a scalar head (``model.score``) to hidden states ``(..., H)`` -> ``(...)`` float32.
+
+    A plain ``nn.Linear`` head is computed in float32 outside autocast, whatever the dtype of
+    its weights or the surrounding mixed precision: values and scores are regression outputs
+    whose bf16 rounding (~0.4% of their size) would show in the value loss and the advantages.
+    The shared actor-critic's value head follows the same rule. Other heads (quantized,
+    wrapped) run as they are.
+    """
     head = getattr(model, "score", None)
     if head is None:
         raise ValueError(
             f"{type(model).__name__} has no `score` head. The reward and value models must be "
             "AutoModelForSequenceClassification models with num_labels=1."
         )
-    out = head(hidden.to(head.weight.dtype) if hasattr(head, "weight") else hidden)
+    if type(head) is nn.Linear:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            out = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+    else:
+        out = head(hidden.to(head.weight.dtype) if hasattr(head, "weight") else hidden)
     if out.shape[-1] != 1:
         raise ValueError(
             f"{type(model).__name__}.score returns {out.shape[-1]} labels; PPO needs a scalar reward/value "

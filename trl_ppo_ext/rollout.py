@@ -10,6 +10,7 @@ prompt's logits would be ``P / (T + 1)`` times more memory for nothing.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,19 +105,115 @@ def response_values(values: torch.Tensor, response_length: int) -> torch.Tensor:
     return values[:, -(response_length + 1) : -1].float()
 
 
-def sampling_config(args, stop_token_id: int | None, pad_token_id: int, temperature: float) -> GenerationConfig:
-    """The generation settings of a rollout: pure sampling, ``response_length`` new tokens."""
+# Generation settings a checkpoint may carry that are neither the sampling settings below nor
+# bookkeeping: each changes which tokens are sampled (or how many), which the log-prob forward
+# would not know about. They are reset to neutral values for every rollout.
+_BOOKKEEPING_FIELDS = frozenset({
+    "transformers_version", "_from_model_config", "bos_token_id", "eos_token_id", "pad_token_id",
+    "decoder_start_token_id", "max_length", "max_new_tokens", "min_new_tokens", "do_sample", "temperature",
+    "top_k", "top_p", "use_cache", "cache_implementation", "cache_config", "return_dict_in_generate",
+    "output_scores", "output_logits", "output_attentions", "output_hidden_states", "num_return_sequences",
+})
+
+# The smallest temperature used when 0 is asked for (TRL adds the same 1e-7 to every temperature).
+MIN_TEMPERATURE = 1e-7
+
+
+def effective_temperature(temperature: float) -> float:
+    """``temperature``, or ``MIN_TEMPERATURE`` for 0 (near-greedy sampling, as in TRL).
+
+    Raises ``ValueError`` for a negative value."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}. Use 1.0 for plain sampling.")
+    return max(float(temperature), MIN_TEMPERATURE)
+
+
+def stop_token_ids(stop_token: str | None, stop_token_id: int | None, tokenizer, generation_config=None) -> tuple:
+    """The ids that end a response, as generation and the response mask both use them.
+
+    ``stop_token="eos"``: the tokenizer's EOS. ``stop_token_id``: that id alone. Neither
+    (TRL's default): generation stops where ``transformers`` would have stopped it, at the
+    checkpoint's ``generation_config.eos_token_id`` (an int or a list) and the tokenizer's
+    EOS; the response mask then ends at that token too, so no token after it is trained on.
+    An empty tuple means responses always run to ``response_length``.
+    """
+    if stop_token == "eos":
+        return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    if stop_token_id is not None:
+        return (int(stop_token_id),)
+    ids = []
+    checkpoint_eos = getattr(generation_config, "eos_token_id", None)
+    for i in (checkpoint_eos if isinstance(checkpoint_eos, (list, tuple)) else [checkpoint_eos]):
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(ids)
+
+
+def generation_pad_id(pad_token_id: int, stop_ids: tuple, num_embeddings: int) -> int:
+    """A pad id ``generate`` may write into finished rows and then embed on the next step.
+
+    The tokenizer's pad id if the embedding has a row for it; else the first stop id (an
+    EOS is always in range); else 0. A ``[PAD]`` added to the tokenizer without resizing
+    the embeddings (GPT-2, Llama-2 and TRL's own scripts do this) is out of range, and
+    ``generate`` would index past the embedding matrix. Only masked positions get this id.
+    """
+    if 0 <= pad_token_id < num_embeddings:
+        return int(pad_token_id)
+    for i in stop_ids:
+        if 0 <= i < num_embeddings:
+            return int(i)
+    return 0
+
+
+def sampling_config(response_length: int, stop_ids: tuple, pad_id: int, temperature: float) -> GenerationConfig:
+    """The complete generation settings of a rollout: pure sampling at ``temperature`` of up to
+    ``response_length`` tokens, stopping at ``stop_ids``. Every setting that shapes the
+    sampling distribution is neutral, so the samples come from the distribution that
+    ``log pi_old`` is computed under (see :func:`isolated_generation_config`)."""
     return GenerationConfig(
-        max_new_tokens=args.response_length,
+        max_new_tokens=response_length,
         min_new_tokens=0,
         do_sample=True,
-        temperature=temperature,
+        temperature=effective_temperature(temperature),
         top_k=0,
         top_p=1.0,
-        eos_token_id=stop_token_id,
-        pad_token_id=pad_token_id,
+        min_p=None,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        num_beams=1,
+        eos_token_id=list(stop_ids) or None,
+        pad_token_id=pad_id,
         use_cache=True,
     )
+
+
+def ignored_generation_fields(generation_config) -> dict:
+    """The fields of a checkpoint's ``generation_config`` that a rollout ignores (they would
+    change the sampling distribution), with their values; ``{}`` for None."""
+    if generation_config is None:
+        return {}
+    return {k: v for k, v in generation_config.to_diff_dict().items() if k not in _BOOKKEEPING_FIELDS}
+
+
+@contextmanager
+def isolated_generation_config(model: torch.nn.Module):
+    """Inside the block, every ``generation_config`` attribute of ``model`` and its submodules
+    is a fresh ``GenerationConfig()``, so ``generate`` merges nothing from the checkpoint
+    (``transformers`` fills every unset field from the model's own config; peft copies its
+    own onto the base model). Restored on exit."""
+    saved = [(m, vars(m)["generation_config"]) for m in model.modules() if "generation_config" in vars(m)]
+    try:
+        for m, _ in saved:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, config in saved:
+            m.generation_config = config
 
 
 @torch.no_grad()
@@ -134,29 +231,31 @@ def generate_responses(
     for start in range(0, queries.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         mask = query_mask[rows]
-        seq = policy.generate(
-            input_ids=queries[rows].masked_fill(~mask, 0), attention_mask=mask.long(),
-            generation_config=generation_config,
-        )
+        with isolated_generation_config(policy):
+            seq = policy.generate(
+                input_ids=queries[rows].masked_fill(~mask, 0), attention_mask=mask.long(),
+                generation_config=generation_config,
+            )
         new = seq[:, context_length : context_length + response_length]
         out[rows, : new.shape[1]] = new
     return out
 
 
-def finalize_responses(
-    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int, eos_token_id: int | None = None
-):
+def finalize_responses(responses: torch.Tensor, stop_ids: tuple, pad_token_id: int):
     """``(responses, response_mask, has_stop)``: everything after the first stop token set to pad.
 
-    ``response_mask`` keeps the stop token itself (see ``functional.response_mask``).
-    ``has_stop`` (B,) is True where the response contains the stop token; when no stop token
-    is configured (responses then always run to ``T``), it falls back to ``eos_token_id``, so
-    ``missing_eos_penalty`` and the EOS rate keep TRL's meaning in that set-up.
+    Args:
+        responses: ``(B, T)`` sampled ids. stop_ids: the ids that end a response (see
+            :func:`stop_token_ids`); empty: responses run to ``T``. pad_token_id: the
+            tokenizer's pad id, written after the stop token.
+    Returns:
+        ``responses`` ``(B, T)``, ``response_mask`` ``(B, T)`` bool, keeping the stop token
+        itself (see ``functional.response_mask``), and ``has_stop`` ``(B,)`` bool: the
+        response ended with a stop token.
     """
-    mask = F.response_mask(responses, stop_token_id)
-    end_id = stop_token_id if stop_token_id is not None else eos_token_id
-    if end_id is None:
-        has_stop = torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
+    mask = F.response_mask(responses, stop_ids or None)
+    if stop_ids:
+        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & mask).any(dim=1)
     else:
-        has_stop = ((responses == end_id) & mask).any(dim=1)
+        has_stop = torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
     return responses.masked_fill(~mask, pad_token_id), mask, has_stop

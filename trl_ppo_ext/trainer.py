@@ -21,7 +21,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, TrainerControl, TrainerState
@@ -32,6 +33,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from . import checkpoint as ckpt
 from . import functional as F
 from ._compat import TRLPPOConfig, TRLPPOTrainer, prepare_deepspeed, unwrap_model_for_generation
+from .batching import BatchPlan
 from .checkpoint import clean_temp_dirs
 from .config import PPOConfig
 from .guards import GuardDecision, GuardRails
@@ -43,13 +45,17 @@ from .run_state import CheckpointMixin
 from .sampler import EpochSeededSampler
 from .rollout import (
     Rollout,
+    effective_temperature,
     finalize_responses,
     generate_responses,
+    generation_pad_id,
+    ignored_generation_fields,
     left_pad,
     response_logits,
     response_values,
     sampling_config,
     sequence_inputs,
+    stop_token_ids,
 )
 
 
@@ -80,17 +86,54 @@ class Advantages:
     raw_advantage_std: torch.Tensor  # () before whitening, for logging
 
 
-def _exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}. Adjust the batch-size settings so it divides.")
-    return a // b
-
-
 def _disable_dropout(model: nn.Module) -> None:
-    # PPO's ratio compares two forwards of the same weights; dropout would make it noise.
+    """Dropout off in every form: ``nn.Dropout`` modules, and the float probabilities that
+    attention layers read at forward time (``attention_dropout`` of Llama/Qwen, OPT's
+    ``dropout``), copied from the config into module attributes at build time.
+
+    PPO's ratio compares two forwards of the same weights; dropout would make it noise.
+    """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
+                setattr(module, name, 0.0)
+        config = vars(module).get("config")
+        if config is not None and hasattr(config, "to_dict"):
+            for name, value in config.to_dict().items():
+                if "dropout" in name and isinstance(value, float) and hasattr(config, name):
+                    setattr(config, name, 0.0)
+
+
+def _scalar_head_outputs(model: nn.Module) -> int:
+    """Outputs of a sequence classifier's ``score`` head (its config's num_labels if it has none)."""
+    head = getattr(model, "score", None)
+    out = getattr(head, "out_features", None)
+    return int(out) if out is not None else int(getattr(getattr(model, "config", None), "num_labels", 1))
+
+
+def _mixed_precision(args) -> str:
+    """The precision the config asks for, as transformers' Trainer reads it: ``fp16``/``bf16``
+    from the config, else the launcher's (``accelerate launch --mixed_precision``), else no."""
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def _strip_fp32_output_wrapper(model: nn.Module) -> None:
+    """Undo accelerate's mixed-precision forward patch on a prepared model.
+
+    Under autocast, ``accelerator.prepare`` makes the model's forward return every output in
+    fp32, a full ``(B, T+1, V)`` copy of the logits. The trainer runs every forward (policy,
+    reference, value, reward) inside ``accelerator.autocast()`` itself instead, so they all
+    share one precision context and log-probs are taken from the logits as produced.
+    """
+    if "_original_forward" in vars(model):
+        vars(model).pop("_original_forward")
+        vars(model).pop("forward", None)
 
 
 def _as_our_config(args) -> PPOConfig:
@@ -149,6 +192,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         self.train_dataset_len = len(train_dataset)
 
         wrapper = self._build_policy_and_value(model, value_model, peft_config)
+        self.stop_token_ids = self._resolve_generation(args, processing_class, wrapper.policy)
         self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
         if eval_dataset is not None:
             self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
@@ -212,10 +256,10 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             )
         if reward_model is None:
             raise ValueError("`reward_model` is required: a sequence classifier with num_labels=1.")
-        num_labels = getattr(getattr(reward_model, "config", None), "num_labels", 1)
-        if num_labels != 1:
+        outputs = _scalar_head_outputs(reward_model)
+        if outputs != 1:
             raise ValueError(
-                f"`reward_model` has num_labels={num_labels}; PPO needs a scalar score. Load it with "
+                f"`reward_model`'s score head has {outputs} outputs; PPO needs a scalar score. Load it with "
                 "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
             )
 
@@ -250,6 +294,25 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         if args.stop_token == "eos":
             return processing_class.eos_token_id
         return args.stop_token_id
+
+    @staticmethod
+    def _resolve_generation(args, processing_class, policy) -> tuple:
+        """The stop ids of every rollout (see ``rollout.stop_token_ids``); says once which of the
+        checkpoint's generation settings are ignored, and that temperature 0 samples near-greedily."""
+        checkpoint = getattr(policy, "generation_config", None)
+        ignored = ignored_generation_fields(checkpoint)
+        if ignored:
+            logger.warning(
+                "The policy's generation_config sets %s; PPO ignores these: the samples must come from the "
+                "distribution the log-probs are computed under (plain sampling at PPOConfig.temperature). Remove "
+                "them from generation_config.json to silence this.",
+                ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())),
+            )
+        if args.temperature == 0:
+            logger.warning("PPOConfig.temperature=0: sampling at temperature %g (near-greedy), as TRL does.",
+                           effective_temperature(0.0))
+        effective_temperature(args.temperature)  # a negative temperature fails here, before training
+        return stop_token_ids(args.stop_token, args.stop_token_id, processing_class, checkpoint)
 
     def _build_policy_and_value(self, model, value_model, peft_config) -> nn.Module:
         """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
@@ -307,39 +370,29 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         return ref
 
     def _setup_batch_sizes(self, args) -> None:
-        """TRL's batch arithmetic, with errors that say which setting to change."""
-        if args.total_episodes is None:
-            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
-        per_device = args.per_device_train_batch_size
-        args.local_batch_size = per_device * args.gradient_accumulation_steps
-        args.local_mini_batch_size = _exact_div(
-            args.local_batch_size, args.num_mini_batches,
-            "per_device_train_batch_size * gradient_accumulation_steps (the per-process rollout batch) must be a "
-            "multiple of num_mini_batches",
+        """The run's ``BatchPlan`` and the ``Accelerator`` that executes it; fills TRL's derived
+        config fields (``batch_size``, ``local_mini_batch_size``, ``num_total_batches``, ...)."""
+        # One optimizer step per mini-batch, counted by accelerate independently of any
+        # dataloader: with `sync_with_dataloader` (the default) accelerate forces a step on every
+        # micro-batch while the train loader sits on its last batch, i.e. at every epoch end.
+        plan = BatchPlan.from_config(args, PartialState().num_processes, self.train_dataset_len)
+        self.accelerator = Accelerator(
+            mixed_precision=_mixed_precision(args),
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=plan.micro_batches_per_mini_batch, sync_with_dataloader=False, adjust_scheduler=False
+            ),
         )
-        micro_steps = _exact_div(
-            args.local_mini_batch_size, per_device,
-            "the per-process mini-batch (rollout batch / num_mini_batches) must be a multiple of "
-            "per_device_train_batch_size; make gradient_accumulation_steps a multiple of num_mini_batches",
-        )
-        # One optimizer step per mini-batch: accumulate over its micro-batches.
-        self.accelerator = Accelerator(gradient_accumulation_steps=micro_steps)
-        args.world_size = self.accelerator.num_processes
-        args.micro_batch_size = per_device * args.world_size
-        args.batch_size = args.local_batch_size * args.world_size
-        args.mini_batch_size = args.local_mini_batch_size * args.world_size
-        if self.train_dataset_len < args.local_batch_size:
+        self.plan = plan
+        plan.fill_config(args)
+        if self.train_dataset_len < plan.local_batch_size:
             raise ValueError(
                 f"`train_dataset` has {self.train_dataset_len} prompts, fewer than one rollout batch "
-                f"(per_device_train_batch_size * gradient_accumulation_steps = {args.local_batch_size}). Add prompts "
+                f"(per_device_train_batch_size * gradient_accumulation_steps = {plan.local_batch_size}). Add prompts "
                 "or lower the batch size."
             )
-        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
-        if args.num_total_batches < 1:
-            raise ValueError(f"total_episodes={args.total_episodes} gives no update; set total_episodes >= batch_size.")
         self.local_seed = args.seed + self.accelerator.process_index * 100003
-        self.sample_generations_freq = max(1, args.num_total_batches // max(args.num_sample_generations, 1))
-        self.local_dataloader_batch_size = args.local_batch_size
+        self.sample_generations_freq = max(1, plan.num_total_batches // max(args.num_sample_generations, 1))
+        self.local_dataloader_batch_size = plan.local_batch_size
 
     def _setup_callbacks_and_state(self, callbacks) -> None:
         report = get_reporting_integration_callbacks(self.args.report_to)
@@ -385,6 +438,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         self.model, self.optimizer, self.dataloader = self.accelerator.prepare(
             self.model, self.optimizer, self.dataloader
         )
+        _strip_fp32_output_wrapper(self.unwrapped)  # every forward runs in `self.accelerator.autocast()`
         torch.manual_seed(self.local_seed)  # generation differs per process
         self.eval_dataloader = None
         if self.eval_dataset is not None:
@@ -423,23 +477,38 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
 
     # ------------------------------------------------------------------ contexts
     @property
+    def temperature(self) -> float:
+        """The temperature log-probs are taken at: ``args.temperature`` (0 means near-greedy)."""
+        return effective_temperature(self.args.temperature)
+
+    @property
     def unwrapped(self) -> nn.Module:
         """The policy/value module without DDP/DeepSpeed wrapping."""
         return self.accelerator.unwrap_model(self.model)
 
     @contextmanager
     def null_ref_context(self):
-        """The policy as the reference: adapter disabled (or the named reference adapter)."""
+        """The policy as the reference: adapter disabled (or the named reference adapter).
+
+        Every ``requires_grad`` flag is restored on exit: peft's ``set_adapter`` (which
+        ``disable_adapter`` also calls on exit) freezes every adapter but the active one, which
+        silently froze a separate value adapter after the first reference pass.
+        """
         policy = self.unwrapped.policy
-        if self.ref_adapter_name:
-            policy.set_adapter(self.ref_adapter_name)
-            try:
-                yield
-            finally:
-                policy.set_adapter(self.model_adapter_name or "default")
-            return
-        with policy.disable_adapter():
-            yield
+        flags = [(p, p.requires_grad) for p in self.unwrapped.parameters()]
+        try:
+            if self.ref_adapter_name:
+                policy.set_adapter(self.ref_adapter_name)
+                try:
+                    yield
+                finally:
+                    policy.set_adapter(self.model_adapter_name or "default")
+            else:
+                with policy.disable_adapter():
+                    yield
+        finally:
+            for param, flag in flags:
+                param.requires_grad_(flag)
 
     # ------------------------------------------------------------------ phases
     def train(self, resume_from_checkpoint: str | bool | None = None):
@@ -485,6 +554,8 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             metrics.update(self.evaluate_heldout())
         if not decision.halt:
             decision = self.guards.check(metrics, update)
+            for warning in decision.warnings:
+                logger.warning(warning)
         metrics.update({k: float(v) for k, v in decision.figures.items()})  # keys are "guard/<name>"
         metrics["objective/kl_coef"] = self.kl_controller.value
         self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
@@ -584,15 +655,19 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         args, tok = self.args, self.processing_class
         queries, query_mask = self._prompt_tensors(batch)
         temperature = args.temperature if temperature is None else temperature
-        config = sampling_config(args, self.stop_token_id, tok.pad_token_id, temperature)
         with unwrap_model_for_generation(
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
-            raw = generate_responses(
-                unwrapped.policy, queries, query_mask, config, args.response_length,
-                tok.pad_token_id, args.local_rollout_forward_batch_size,
-            )
-        responses, mask, has_stop = finalize_responses(raw, self.stop_token_id, tok.pad_token_id, tok.eos_token_id)
+            policy = unwrapped.policy
+            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids,
+                                       policy.get_input_embeddings().num_embeddings)
+            config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
+            with self.accelerator.autocast():
+                raw = generate_responses(
+                    policy, queries, query_mask, config, args.response_length,
+                    tok.pad_token_id, args.local_rollout_forward_batch_size,
+                )
+        responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id)
         empty = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         return Rollout(
             queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
@@ -638,10 +713,11 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         ratio is exactly 1."""
         input_ids, attention_mask, position_ids = inputs
         T = part.responses.shape[1]
-        logits, values = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
-        )
-        return response_logits(logits, T, self.args.temperature), response_values(values, T)
+        with self.accelerator.autocast():
+            logits, values = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
+            )
+        return response_logits(logits, T, self.temperature), response_values(values, T)
 
     def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
@@ -656,14 +732,15 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         else:
             ref, context = self.unwrapped.policy, self.null_ref_context()
         T = part.responses.shape[1]
-        with context:
+        with context, self.accelerator.autocast():
             logits = lm_logits(ref, input_ids, attention_mask, position_ids, logits_to_keep=T + 1)
-        return F.logprobs_from_logits(response_logits(logits, T, self.args.temperature), part.responses)
+        return F.logprobs_from_logits(response_logits(logits, T, self.temperature), part.responses)
 
     def reward_scores(self, part: Rollout, inputs) -> torch.Tensor:
         """Raw RM score ``(b,)`` read at the last valid response token (the EOS when present)."""
         index = part.queries.shape[1] + F.last_valid_index(part.response_mask)
-        return score_at(self.reward_model, *inputs, index=index)
+        with self.accelerator.autocast():
+            return score_at(self.reward_model, *inputs, index=index)
 
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> Advantages:
@@ -694,28 +771,38 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         Returns per-micro-batch statistics stacked as ``(n,)`` tensors, and the nonfinite
         guard's decision (``halt`` stops the update at once).
         """
-        args = self.args
         stats = defaultdict(list)
         decision = GuardDecision.keep_going({})
-        for _ in range(args.num_ppo_epochs):
+        for _ in range(self.plan.num_ppo_epochs):
             order = torch.randperm(rollout.batch_size, device=rollout.responses.device)
-            for mb_start in range(0, rollout.batch_size, args.local_mini_batch_size):
-                mini = order[mb_start : mb_start + args.local_mini_batch_size]
-                decision = self._minibatch_step(rollout, adv, mini, update, stats)
+            for rows in self.plan.mini_batch_slices():
+                decision = self._minibatch_step(rollout, adv, order[rows], update, stats)
                 if decision.halt:
                     return _stack_stats(stats), decision
         return _stack_stats(stats), decision
 
     def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
-        """Accumulate gradients over the mini-batch's micro-batches, then step once if finite."""
+        """Accumulate gradients over the mini-batch's micro-batches, then step once if finite.
+
+        Each micro-batch's loss is its token sum over the valid-token count of the whole
+        mini-batch on every process, so the step's gradient is that of the mini-batch token
+        mean however the mini-batch is cut into micro-batches and processes.
+        """
         accelerator = self.accelerator
+        # accelerate divides each backward by the accumulation steps and DDP averages over
+        # processes; both are undone so the sums below add up to the mini-batch token mean.
+        num_tokens = rollout.response_mask[mini].sum().float().reshape(1)
+        if accelerator.num_processes > 1:
+            num_tokens = accelerator.reduce(num_tokens, reduction="sum")
+        loss_scale = self.plan.micro_batches_per_mini_batch * accelerator.num_processes
         nonfinite_loss = torch.zeros((), device=accelerator.device)
-        for mc_start in range(0, len(mini), self.args.per_device_train_batch_size):
-            micro = mini[mc_start : mc_start + self.args.per_device_train_batch_size]
+        decision = GuardDecision.keep_going({})
+        for part in self.plan.micro_batch_slices():
+            micro = mini[part]
             with accelerator.accumulate(self.model):
-                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro))
+                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro), num_tokens)
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
-                accelerator.backward(loss)
+                accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
                     grad_norm = self._clip_gradients()
                     micro_stats["grad_norm"] = grad_norm
@@ -751,28 +838,40 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             )
         return torch.as_tensor(norm).detach().float()
 
-    def compute_loss_terms(self, mb: Rollout, adv: Advantages) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def compute_loss_terms(
+        self, mb: Rollout, adv: Advantages, num_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO loss on one micro-batch: clipped surrogate + vf_coef * clipped value loss
-        - entropy_coef * entropy, every term over ``response_mask`` only."""
+        - entropy_coef * entropy, every term over ``response_mask`` only.
+
+        ``num_tokens``: the valid-token count the token sums are divided by (the whole
+        mini-batch's over every process, see ``functional.masked_token_mean``); None: this
+        micro-batch's own. The returned statistics are this micro-batch's token means.
+        """
         args, mask = self.args, mb.response_mask
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.responses)
         log_ratio = (new_logprobs - mb.logprobs).masked_fill(~mask, 0.0)
         ratio = torch.exp(log_ratio)
-        pg_loss, pg_clipfrac = F.masked_clipped_surrogate(ratio, adv.advantages, mask, args.cliprange)
-        vf_loss, vf_clipfrac = F.masked_clipped_value_loss(new_values, mb.values, adv.returns, mask, args.cliprange_value)
+        pg_loss, pg_clipfrac = F.masked_clipped_surrogate(ratio, adv.advantages, mask, args.cliprange, num_tokens)
+        vf_loss, vf_clipfrac = F.masked_clipped_value_loss(
+            new_values, mb.values, adv.returns, mask, args.cliprange_value, num_tokens
+        )
         with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = F.masked_entropy(resp_logits, mask)
+            entropy = F.masked_entropy(resp_logits, mask, num_tokens)
         loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
         with torch.no_grad():
+            # shares of the mini-batch mean -> this micro-batch's own token means, for logging
+            to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / mask.sum().clamp(min=1)
             stats = {
-                "pg_loss": pg_loss.detach(), "vf_loss": vf_loss.detach(), "pg_clipfrac": pg_clipfrac.detach(),
-                "vf_clipfrac": vf_clipfrac.detach(), "entropy": entropy.detach(),
+                "pg_loss": pg_loss.detach() * to_local, "vf_loss": vf_loss.detach() * to_local,
+                "pg_clipfrac": pg_clipfrac.detach(), "vf_clipfrac": vf_clipfrac.detach(),
+                "entropy": entropy.detach() * to_local,
                 "approxkl": 0.5 * F.masked_mean(log_ratio**2, mask),
                 "ratio_mean": F.masked_mean(ratio, mask),
                 "ratio_max": ratio.masked_fill(~mask, float("-inf")).max(),
-                "loss": loss.detach(),
+                "loss": loss.detach() * to_local,
             }
         return loss, stats
 
@@ -856,33 +955,32 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         """Sample completions for ``eval_dataset`` with a fixed seed (training RNG untouched) and
         compute ``eval/rm_score``, ``eval/response_length``, ``eval/kl`` and each user metric
         ``eval/<name>`` from ``eval_metrics`` callables ``(prompts, completions) -> list[float]``
-        (prompts decoded without special tokens; completions with them, e.g. a final EOS)."""
+        (prompts decoded without special tokens; completions with them, e.g. a final EOS).
+
+        Each prompt counts once: rows that accelerate repeats to give every process an equal
+        share of the last batch are dropped (``gather_for_metrics``).
+        """
         tok = self.processing_class
-        sums, prompts, completions = defaultdict(float), [], []
+        columns = defaultdict(list)  # name -> per-batch (b,) tensors, gathered over processes
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.args.seed)
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
-                sums["eval/rm_score"] += float(r.scores.sum())
-                sums["eval/response_length"] += float(r.response_mask.sum())
-                sums["eval/kl"] += float((r.logprobs - r.ref_logprobs).sum())
-                sums["n"] += r.batch_size
-                prompts += tok.batch_decode([q[m] for q, m in zip(r.queries, r.query_mask)], skip_special_tokens=True)
+                prompts = tok.batch_decode([q[m] for q, m in zip(r.queries, r.query_mask)], skip_special_tokens=True)
                 # Completions keep their special tokens: whether one ended with EOS is often what a
                 # held-out metric checks.
-                completions += [tok.decode(x[m].tolist()) for x, m in zip(r.responses, r.response_mask)]
-        totals = self.accelerator.reduce(torch.tensor([sums[k] for k in ("eval/rm_score", "eval/response_length",
-                                                                          "eval/kl", "n")],
-                                                      device=self.accelerator.device), reduction="sum")
-        n = max(float(totals[3]), 1.0)
-        metrics = {k: float(v) / n for k, v in zip(("eval/rm_score", "eval/response_length", "eval/kl"), totals)}
-        for name, fn in self.eval_metrics.items():
-            values = [float(v) for v in fn(prompts, completions)]
-            local = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=self.accelerator.device)
-            total = self.accelerator.reduce(local, reduction="sum")
-            metrics[f"eval/{name}"] = float(total[0] / max(float(total[1]), 1.0))
-        return metrics
+                completions = [tok.decode(x[m].tolist()) for x, m in zip(r.responses, r.response_mask)]
+                row = {
+                    "eval/rm_score": r.scores,
+                    "eval/response_length": r.response_mask.sum(1),
+                    "eval/kl": (r.logprobs - r.ref_logprobs).sum(1),
+                }
+                for name, fn in self.eval_metrics.items():
+                    row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
+                for key, values in row.items():
+                    columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
+        return {key: float(torch.cat(parts).mean()) for key, parts in columns.items()}
 
     # ------------------------------------------------------------------ outputs
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -915,7 +1013,6 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         if self.eval_dataloader is None:
             return None
         import pandas as pd
-        from accelerate.utils import gather_object
 
         tok = self.processing_class
         table = defaultdict(list)
@@ -926,9 +1023,12 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             with self._frozen_on_device(self.reward_model, self.args.offload_reward_model):
                 scores = self.reward_scores(rollout, inputs)
             texts = [tok.decode(r[m].tolist()) for r, m in zip(responses, mask)]
-            table["query"].extend(gather_object(tok.batch_decode(queries, skip_special_tokens=True)))
-            table["model response"].extend(gather_object(texts))
-            table["score"].extend(self.accelerator.gather_for_metrics(scores).float().cpu().tolist())
+            # One gather rule for all three columns (gather_object alone kept accelerate's
+            # padding duplicates that gather_for_metrics drops: columns of unequal length).
+            gather = self.accelerator.gather_for_metrics
+            table["query"].extend(gather(tok.batch_decode(queries, skip_special_tokens=True), use_gather_object=True))
+            table["model response"].extend(gather(texts, use_gather_object=True))
+            table["score"].extend(gather(scores).float().cpu().tolist())
             if sampling:
                 break
         df = pd.DataFrame(table)

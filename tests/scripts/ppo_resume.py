@@ -23,10 +23,10 @@ from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
 
 
 class KilledDuringUpdate4(PPOTrainer):
-    def compute_loss_terms(self, mb, adv):
+    def compute_loss_terms(self, mb, adv, num_tokens=None):
         if self.state.global_step == 3:  # updates 1-3 done and checkpointed: we are inside update 4
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().compute_loss_terms(mb, adv)
+        return super().compute_loss_terms(mb, adv, num_tokens)
 
 
 if __name__ == "__main__":

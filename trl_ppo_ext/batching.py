@@ -1,0 +1,147 @@
+"""Batch arithmetic of a PPO run, in one place: what a rollout, a mini-batch and a
+micro-batch are, computed once from the config and the number of processes.
+
+Vocabulary (TRL's): one *update* samples a rollout batch of ``batch_size`` prompts
+(``local_batch_size`` per process), trains ``num_ppo_epochs`` passes over it, each pass cut
+into ``num_mini_batches`` shuffled mini-batches; every mini-batch is one optimizer step,
+its gradient accumulated over micro-batches of at most ``per_device_train_batch_size``
+rows (the forward/backward size).
+
+TRL 1.12 accepts any configuration where ``num_mini_batches`` divides the rollout batch;
+a micro-batch is then ``per_device_train_batch_size`` rows or what is left of the
+mini-batch (e.g. per-device 8, one step of accumulation, 2 mini-batches: micro-batches of
+4; per-device 4 with mini-batches of 6: micro-batches of 4 and 2). The loss is normalised
+by the valid-token count of the whole mini-batch, so uneven micro-batches weigh right.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The sizes of one PPO run. All sizes count prompts (sequences), not tokens.
+
+    Build with :meth:`from_config`; every field is derived there and never stored twice.
+    """
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    num_mini_batches: int
+    num_ppo_epochs: int
+    world_size: int
+    total_episodes: int
+
+    @classmethod
+    def from_config(cls, args, world_size: int, dataset_len: int) -> "BatchPlan":
+        """The plan for ``args`` (a ``PPOConfig``) on ``world_size`` processes.
+
+        ``total_episodes=None`` means ``num_train_epochs`` passes over ``dataset_len`` prompts
+        (TRL's rule). Raises ``ValueError`` naming the setting to change when
+        ``num_mini_batches`` does not divide the per-process rollout batch, or when no
+        update would run.
+        """
+        total = args.total_episodes
+        if total is None:
+            total = int(args.num_train_epochs * dataset_len)
+        plan = cls(
+            per_device_train_batch_size=int(args.per_device_train_batch_size),
+            gradient_accumulation_steps=int(args.gradient_accumulation_steps),
+            num_mini_batches=int(args.num_mini_batches),
+            num_ppo_epochs=int(args.num_ppo_epochs),
+            world_size=int(world_size),
+            total_episodes=int(total),
+        )
+        plan._check()
+        return plan
+
+    def _check(self) -> None:
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                     "num_ppo_epochs", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.local_batch_size % self.num_mini_batches:
+            raise ValueError(
+                f"num_mini_batches={self.num_mini_batches} does not divide the per-process rollout batch "
+                f"per_device_train_batch_size * gradient_accumulation_steps = {self.per_device_train_batch_size} * "
+                f"{self.gradient_accumulation_steps} = {self.local_batch_size}. Choose num_mini_batches among the "
+                f"divisors of {self.local_batch_size}, or change the batch sizes."
+            )
+        if self.total_episodes < 1:
+            raise ValueError(
+                f"total_episodes={self.total_episodes} gives no update; set total_episodes >= batch_size "
+                f"({self.batch_size}) or num_train_epochs > 0."
+            )
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def local_batch_size(self) -> int:
+        """Prompts per process per update (the rollout batch of one process)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def batch_size(self) -> int:
+        """Prompts per update over all processes (episodes per update)."""
+        return self.local_batch_size * self.world_size
+
+    @property
+    def local_mini_batch_size(self) -> int:
+        """Rows of one mini-batch on one process."""
+        return self.local_batch_size // self.num_mini_batches
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Rows of one mini-batch over all processes (one optimizer step)."""
+        return self.local_mini_batch_size * self.world_size
+
+    @property
+    def local_micro_batch_size(self) -> int:
+        """Rows of one forward/backward on one process (the last one of a mini-batch may be smaller)."""
+        return min(self.per_device_train_batch_size, self.local_mini_batch_size)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """TRL's ``micro_batch_size``: per-device batch times processes."""
+        return self.per_device_train_batch_size * self.world_size
+
+    @property
+    def micro_batches_per_mini_batch(self) -> int:
+        """Forward/backward passes accumulated into one optimizer step."""
+        return math.ceil(self.local_mini_batch_size / self.local_micro_batch_size)
+
+    @property
+    def num_total_batches(self) -> int:
+        """Updates in the run: ``ceil(total_episodes / batch_size)`` (may train a little past it)."""
+        return math.ceil(self.total_episodes / self.batch_size)
+
+    @property
+    def optimizer_steps_per_update(self) -> int:
+        return self.num_mini_batches * self.num_ppo_epochs
+
+    # ------------------------------------------------------------------ slicing
+    def micro_batch_slices(self) -> list[slice]:
+        """Row ranges of the micro-batches inside one mini-batch, in order.
+
+        >>> [(s.start, s.stop) for s in BatchPlan(4, 3, 2, 1, 1, 12).micro_batch_slices()]
+        [(0, 4), (4, 6)]
+        """
+        step, size = self.local_micro_batch_size, self.local_mini_batch_size
+        return [slice(start, min(start + step, size)) for start in range(0, size, step)]
+
+    def mini_batch_slices(self) -> list[slice]:
+        """Row ranges of the mini-batches inside one (shuffled) rollout batch."""
+        size = self.local_mini_batch_size
+        return [slice(start, start + size) for start in range(0, self.local_batch_size, size)]
+
+    def fill_config(self, args) -> None:
+        """Write the derived fields TRL's trainer sets on its config (scripts read them)."""
+        args.total_episodes = self.total_episodes
+        args.world_size = self.world_size
+        args.local_batch_size = self.local_batch_size
+        args.batch_size = self.batch_size
+        args.local_mini_batch_size = self.local_mini_batch_size
+        args.mini_batch_size = self.mini_batch_size
+        args.micro_batch_size = self.micro_batch_size
+        args.num_total_batches = self.num_total_batches
