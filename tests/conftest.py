@@ -76,3 +76,26 @@ def tiny_models(tokenizer, **config_kwargs):
     value = build_tiny_scorer(tokenizer, seed=1, **config_kwargs)
     reward = build_tiny_scorer(tokenizer, seed=2, **config_kwargs)
     return policy, ref, value, reward
+
+
+def record_optimizer_steps(trainer):
+    """Count real optimizer steps: returns a list that gets, at each logged update, the number
+    of times the wrapped torch optimizer actually stepped during that update."""
+    inner = trainer.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+    counts, current = [], [0]
+    step = inner.step
+
+    def counting_step(*args, **kwargs):
+        current[0] += 1
+        return step(*args, **kwargs)
+
+    inner.step = counting_step
+    log_update = trainer.log_update
+
+    def log_and_count(metrics):
+        counts.append(current[0])
+        current[0] = 0
+        return log_update(metrics)
+
+    trainer.log_update = log_and_count
+    return counts

@@ -42,6 +42,13 @@ class Rollout:
     def batch_size(self) -> int:
         return self.responses.shape[0]
 
+    @property
+    def valid_responses(self) -> torch.Tensor:
+        """``(B, T)`` long: ``responses`` with 0 wherever ``response_mask`` is False -- an id every
+        model has, for indexing logits (the pad id may lie past the vocabulary when a script
+        added ``[PAD]`` without resizing), as ``sequence_inputs`` does for the model inputs."""
+        return self.responses.masked_fill(~self.response_mask, 0)
+
     def select(self, index: torch.Tensor) -> "Rollout":
         """The rows ``index`` ((b,) long) of every tensor field, as a new Rollout."""
         picked = {

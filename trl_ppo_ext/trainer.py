@@ -377,6 +377,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         # micro-batch while the train loader sits on its last batch, i.e. at every epoch end.
         plan = BatchPlan.from_config(args, PartialState().num_processes, self.train_dataset_len)
         self.accelerator = Accelerator(
+            cpu=bool(getattr(args, "use_cpu", False)),
             mixed_precision=_mixed_precision(args),
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=plan.micro_batches_per_mini_batch, sync_with_dataloader=False, adjust_scheduler=False
@@ -722,7 +723,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
     def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
         logits, values = self.response_forward(model, part, inputs)
-        return F.logprobs_from_logits(logits, part.responses), values
+        return F.logprobs_from_logits(logits, part.valid_responses), values
 
     def reference_logprobs(self, part: Rollout, inputs) -> torch.Tensor:
         """``log pi_ref(a_t|s_t)`` ``(b, T)``: a separate reference model or the disabled adapter."""
@@ -734,7 +735,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         T = part.responses.shape[1]
         with context, self.accelerator.autocast():
             logits = lm_logits(ref, input_ids, attention_mask, position_ids, logits_to_keep=T + 1)
-        return F.logprobs_from_logits(response_logits(logits, T, self.temperature), part.responses)
+        return F.logprobs_from_logits(response_logits(logits, T, self.temperature), part.valid_responses)
 
     def reward_scores(self, part: Rollout, inputs) -> torch.Tensor:
         """Raw RM score ``(b,)`` read at the last valid response token (the EOS when present)."""
@@ -851,7 +852,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         args, mask = self.args, mb.response_mask
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
-        new_logprobs = F.logprobs_from_logits(resp_logits, mb.responses)
+        new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
         log_ratio = (new_logprobs - mb.logprobs).masked_fill(~mask, 0.0)
         ratio = torch.exp(log_ratio)
         pg_loss, pg_clipfrac = F.masked_clipped_surrogate(ratio, adv.advantages, mask, args.cliprange, num_tokens)
