@@ -24,7 +24,7 @@ def _launch(args, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["separate", "peft"])
+@pytest.mark.parametrize("mode", ["separate", "peft", "eval"])
 def test_two_process_train(tmp_path, mode):
     proc = _launch([str(SCRIPT), str(tmp_path), mode])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -37,3 +37,11 @@ def test_two_process_train(tmp_path, mode):
         assert all(math.isfinite(v) for log in r["logs"] for v in log.values() if isinstance(v, float))
     assert ranks[0]["logs"][-1]["objective/scores"] == ranks[1]["logs"][-1]["objective/scores"]
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=0, abs=1e-9)
+    # one optimizer step per mini-batch per PPO epoch on every process, at the prompt loader's epoch
+    # ends (12 prompts, 8 per update over both processes: every update is an epoch's last batch)
+    assert all(r["optimizer_steps"] == [2 * 2, 2 * 2] for r in ranks)
+    if mode == "eval":
+        # each held-out prompt counted once, though accelerate repeats rows to even out the last batch
+        for r in ranks:
+            assert r["completions"] == 5
+            assert all(log["eval/prompt_words"] == r["eval_prompt_words"] for log in r["logs"])

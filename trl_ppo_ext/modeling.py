@@ -29,6 +29,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from .policy_value import disable_checkpointing, enable_checkpointing, is_checkpointing
 from .quantization import (
     import_bitsandbytes,
     is_4bit_model,
@@ -275,28 +276,18 @@ class SharedActorCritic(nn.Module):
     @property
     def is_gradient_checkpointing(self) -> bool:
         """Whether any layer of the base model checkpoints activations."""
-        return any(getattr(m, "gradient_checkpointing", False) is True
-                   for m in self.policy.get_base_model().modules())
+        return is_checkpointing(self.policy.get_base_model())
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
                                       **kwargs) -> None:
         """Enable activation checkpointing on the base (refused with a value adapter)."""
         if self.value_adapter is not None:
             raise ValueError(self._checkpointing_refusal())
-        base = self.policy.get_base_model()
-        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            base.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
-        else:
-            base.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+        enable_checkpointing(self.policy.get_base_model(), gradient_checkpointing_kwargs)
 
     def gradient_checkpointing_disable(self) -> None:
         """Disable activation checkpointing on the base."""
-        base = self.policy.get_base_model()
-        if hasattr(base, "activation_checkpointing_disable"):
-            base.activation_checkpointing_disable()
-        else:
-            base.gradient_checkpointing_disable()
+        disable_checkpointing(self.policy.get_base_model())
 
     def _checkpointing_refusal(self) -> str:
         return (

@@ -122,12 +122,34 @@ class PolicyAndValue(nn.Module):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+        return is_checkpointing(self.policy)
 
-    def gradient_checkpointing_enable(self, **kwargs):
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs):
+        """Checkpoint the activations of both backbones (policy and value model)."""
         for m in (self.policy, self.value_model):
-            m.gradient_checkpointing_enable(**kwargs)
+            enable_checkpointing(m, gradient_checkpointing_kwargs)
 
     def gradient_checkpointing_disable(self):
         for m in (self.policy, self.value_model):
-            m.gradient_checkpointing_disable()
+            disable_checkpointing(m)
+
+
+def enable_checkpointing(model: nn.Module, checkpointing_kwargs: dict | None = None) -> None:
+    """Turn on activation checkpointing of a ``transformers`` model (or a peft model around one)
+    under the name its version has (``activation_checkpointing_enable`` from transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(checkpointing_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+
+
+def disable_checkpointing(model: nn.Module) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` checkpoints its activations."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

@@ -106,6 +106,19 @@ def _disable_dropout(model: nn.Module) -> None:
                     setattr(config, name, 0.0)
 
 
+def _warn_low_precision_trainables(model: nn.Module) -> None:
+    """Say so when trainable weights are bf16/fp16: AdamW steps at PPO's learning rates (~1e-6)
+    are mostly below half precision's rounding step, and such weights barely move."""
+    low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        logger.warning(
+            "%d trainable parameter tensors are %s (e.g. %s): optimizer steps smaller than half precision's "
+            "rounding step are lost, so a full fine-tune barely moves. Load the trainable model in float32 "
+            "(torch_dtype=torch.float32) and train with bf16=True mixed precision, or train LoRA adapters.",
+            len(low), dict(model.named_parameters())[low[0]].dtype, low[0],
+        )
+
+
 def _scalar_head_outputs(model: nn.Module) -> int:
     """Outputs of a sequence classifier's ``score`` head (its config's num_labels if it has none)."""
     head = getattr(model, "score", None)
@@ -193,6 +206,8 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
 
         wrapper = self._build_policy_and_value(model, value_model, peft_config)
         self.stop_token_ids = self._resolve_generation(args, processing_class, wrapper.policy)
+        self._apply_gradient_checkpointing(wrapper)
+        _warn_low_precision_trainables(wrapper)
         self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
         if eval_dataset is not None:
             self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
@@ -356,6 +371,25 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         self.model_adapter_name = self.args.model_adapter_name
         self.ref_adapter_name = self.args.ref_adapter_name
         return wrapper
+
+    def _apply_gradient_checkpointing(self, wrapper: nn.Module) -> None:
+        """``gradient_checkpointing=True`` (TRL's default) checkpoints the policy's and the value
+        model's activations during the update (non-reentrant unless the kwargs say otherwise).
+        Generation and scoring run without grad and keep their KV cache and speed.
+
+        A shared actor-critic with a value adapter refuses it (recomputation would run the value
+        pass with the policy adapter); the run then goes on without it, with a warning saying why.
+        """
+        args = self.args
+        if not (getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing):
+            return
+        kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+                      or {})
+        kwargs.setdefault("use_reentrant", False)
+        try:
+            wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        except ValueError as err:
+            logger.warning("gradient_checkpointing=True is not applied: %s", err)
 
     def _build_reference(self, model, ref_model) -> nn.Module | None:
         """``None`` means: the policy with its adapter disabled (see ``reference_context``)."""

@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import prompt_dataset, tiny_config, tiny_models  # noqa: E402
+from conftest import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # noqa: E402
 
 from trl_ppo_ext import PPOTrainer  # noqa: E402
 from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
@@ -23,20 +23,29 @@ if __name__ == "__main__":
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     policy, ref, value, reward = tiny_models(tok)
     peft = mode == "peft"
+    with_eval = mode == "eval"
+    # eval: 5 prompts over 2 processes -> accelerate repeats rows to even out the last batch
+    eval_dataset = prompt_dataset(tok, n=5, min_len=1, max_len=6, seed=3) if with_eval else None
+    extra = dict(eval_strategy="steps", eval_steps=1, num_sample_generations=2, per_device_eval_batch_size=2)
     trainer = PPOTrainer(
         args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                         num_mini_batches=2, num_ppo_epochs=2),
+                         num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {})),
         processing_class=tok, model=policy, ref_model=None if peft else ref, reward_model=reward,
-        train_dataset=prompt_dataset(tok, n=32), value_model=value,
+        train_dataset=prompt_dataset(tok, n=12), value_model=value, eval_dataset=eval_dataset,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         if peft else None,
+        eval_metrics={"prompt_words": lambda prompts, completions: [len(p.split()) for p in prompts]},
     )
+    steps = record_optimizer_steps(trainer)
     trainer.train()
+    completions = trainer.generate_completions() if with_eval else None
     rank = trainer.accelerator.process_index
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     # Parameters stay in sync across processes (DDP averages gradients).
     checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters() if p.requires_grad))
     (out / f"rank{rank}.json").write_text(json.dumps({
         "world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
-        "batch_size": trainer.args.batch_size,
+        "batch_size": trainer.args.batch_size, "optimizer_steps": steps,
+        "completions": None if completions is None else len(completions),
+        "eval_prompt_words": None if eval_dataset is None else sum(map(len, eval_dataset["input_ids"])) / 5,
     }))
