@@ -22,12 +22,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "ppo_trl_style.py"
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("dropin")
     tok = build_tiny_tokenizer()
-    # The script adds a [PAD] token; like real checkpoints, leave room in the embeddings.
-    size = dict(vocab_size=64)
-    build_tiny_causal_lm(tok, seed=0, **size).save_pretrained(root / "sft")
-    build_tiny_scorer(tok, seed=1, **size).save_pretrained(root / "rm")
-    for d in ("sft", "rm"):
-        tok.save_pretrained(root / d)
+    # The script adds a [PAD] token. "roomy" checkpoints leave room for it in the embeddings;
+    # "exact" ones have exactly len(tokenizer) rows (GPT-2, Llama-2, TRL's tiny test models), so
+    # the [PAD] id lies past the embedding matrix.
+    for kind, size in (("roomy", dict(vocab_size=64)), ("exact", {})):
+        build_tiny_causal_lm(tok, seed=0, **size).save_pretrained(root / kind / "sft")
+        build_tiny_scorer(tok, seed=1, **size).save_pretrained(root / kind / "rm")
+        for d in ("sft", "rm"):
+            tok.save_pretrained(root / kind / d)
     data = root / "data"
     data.mkdir()
     with open(data / "train.jsonl", "w") as f:
@@ -37,14 +39,16 @@ def assets(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "peft"])
-def test_trl_style_script_runs_with_only_the_import_changed(assets, tmp_path, use_peft):
+@pytest.mark.parametrize("use_peft, kind", [(False, "roomy"), (False, "exact"), (True, "exact")],
+                         ids=["full-roomy", "full-exact", "peft-exact"])
+def test_trl_style_script_runs_with_only_the_import_changed(assets, tmp_path, use_peft, kind):
     out = tmp_path / "out"
+    models = assets / kind
     cmd = [
         sys.executable, str(SCRIPT),
         "--dataset_name", str(assets / "data"), "--dataset_train_split", "train",
-        "--model_name_or_path", str(assets / "sft"), "--sft_model_path", str(assets / "sft"),
-        "--reward_model_path", str(assets / "rm"), "--output_dir", str(out),
+        "--model_name_or_path", str(models / "sft"), "--sft_model_path", str(models / "sft"),
+        "--reward_model_path", str(models / "rm"), "--output_dir", str(out),
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_mini_batches", "2",
         "--total_episodes", "16", "--response_length", "5", "--num_ppo_epochs", "2",
         "--local_rollout_forward_batch_size", "4", "--per_device_eval_batch_size", "4",

@@ -60,11 +60,24 @@ def test_nan_scores_skip_steps_then_halt_with_nothing_changed(tmp_path):
 
 
 def test_kl_bound_halts_naming_kl(tmp_path):
-    trainer = _trainer(tmp_path, kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3")
+    trainer = _trainer(tmp_path, kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3",
+                       guard_action="halt", guard_warmup=0)
     trainer.train()
     assert trainer.state.halted_by == "kl_range"
     assert "objective/kl" in trainer.state.stop_reason and "update 2" in trainer.state.stop_reason
     assert trainer.state.global_step == 2
+
+
+def test_a_heuristic_guard_warns_once_by_default_and_the_run_finishes(tmp_path, caplog):
+    import logging
+
+    trainer = _trainer(tmp_path, kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3",
+                       guard_warmup=0)
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
+        trainer.train()
+    assert trainer.state.halted_by is None and trainer.state.global_step == trainer.args.num_total_batches
+    warnings = [r.getMessage() for r in caplog.records if "Guard 'kl_range' fired at update 2" in r.getMessage()]
+    assert len(warnings) == 1  # k3 KL >= 0 > kl_max every update: one episode of trouble, one warning
 
 
 class StaleFirst(PPOTrainer):
