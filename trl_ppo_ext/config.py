@@ -54,6 +54,9 @@ class PPOConfig(TRLPPOConfig, GuardSettings):
             ``kl_coef``: ``beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / kl_horizon``.
         kl_target (`float`, defaults to `6.0`), kl_horizon (`float`, defaults to `10000`):
             The adaptive controller's target per-sequence KL (nats) and horizon (episodes).
+        reward_weights (`list[float]` or `None`, defaults to `None`):
+            One weight per reward -- ``reward_model`` first, then each of the trainer's
+            ``reward_funcs`` -- in the combined score; None: 1 each.
         max_rollout_age (`int` or `None`, defaults to `None`):
             Discard and regenerate a rollout sampled more than this many updates ago (policy
             lag). ``None``: no limit. The synchronous trainer's rollouts have age 0; the limit
@@ -105,6 +108,13 @@ class PPOConfig(TRLPPOConfig, GuardSettings):
         default=6.0, metadata={"help": "Adaptive KL: target per-sequence KL to the reference (nats)."}
     )
     kl_horizon: float = field(default=10000, metadata={"help": "Adaptive KL: horizon in episodes."})
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Weights of the rewards (reward_model first, then each of reward_funcs, in order) in the "
+            "combined score: score = sum of weight * reward over the rewards that apply. None: 1 each."
+        },
+    )
     max_rollout_age: int | None = field(
         default=None,
         metadata={

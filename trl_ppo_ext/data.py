@@ -271,3 +271,26 @@ def _report(info: RenderInfo, max_prompt_length, response_length, max_length) ->
             "response_length, or check that the prompt column holds text."
         )
     logger.warning(message + ".")
+
+
+class PromptCollator:
+    """The trainer's default collator: pads ``input_ids`` (and ``attention_mask``) with the
+    tokenizer's padding side and pad id, and carries every other dataset column (an ``answer``
+    for a verifiable reward, the ``prompt`` text or messages, ...) as a plain list, so reward
+    functions receive them unchanged.
+
+    Returns ``{"input_ids": (B, P) long, "attention_mask": (B, P) long, <column>: list of B}``.
+    """
+
+    TOKEN_KEYS = ("input_ids", "attention_mask")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict]) -> dict:
+        tokens = [{k: f[k] for k in self.TOKEN_KEYS if k in f} for f in features]
+        batch = dict(self.tokenizer.pad(tokens, padding=True, return_tensors="pt"))
+        for key in features[0]:
+            if key not in self.TOKEN_KEYS:
+                batch[key] = [f[key] for f in features]
+        return batch

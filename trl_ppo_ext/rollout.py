@@ -11,7 +11,7 @@ prompt's logits would be ``P / (T + 1)`` times more memory for nothing.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import GenerationConfig
@@ -37,6 +37,10 @@ class Rollout:
     scores: torch.Tensor  # (B,) float32: raw reward-model score at the last valid response token
     has_stop: torch.Tensor  # (B,) bool: the response ended with the stop token
     policy_version: int = 0  # optimizer updates done when this batch was sampled (policy lag)
+    # (B, F) float32: each reward's raw value (NaN where it does not apply); F = number of rewards
+    reward_values: torch.Tensor | None = None
+    reward_applies: torch.Tensor | None = None  # (B, F) bool: False where a reward function returned None
+    extras: dict = field(default_factory=dict)  # other dataset columns, name -> list of B values
 
     @property
     def batch_size(self) -> int:
@@ -51,10 +55,15 @@ class Rollout:
 
     def select(self, index: torch.Tensor) -> "Rollout":
         """The rows ``index`` ((b,) long) of every tensor field, as a new Rollout."""
-        picked = {
-            f.name: getattr(self, f.name)[index] if torch.is_tensor(getattr(self, f.name)) else getattr(self, f.name)
-            for f in fields(self)
-        }
+        rows = index.tolist()
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value):
+                value = value[index]
+            elif f.name == "extras":
+                value = {k: [column[i] for i in rows] for k, column in value.items()}
+            picked[f.name] = value
         return Rollout(**picked)
 
 

@@ -154,13 +154,25 @@ class CheckpointMixin:
             models["reference"] = mf.model_identity(self.ref_model, "reference")
         value = unwrapped if shared else unwrapped.value_model
         models["value"] = mf.model_identity(value, "value", shared_with=["policy"] if shared else ())
-        models["reward"] = mf.model_identity(self.reward_model, "reward")
+        if self.reward_model is not None:
+            models["reward"] = mf.model_identity(self.reward_model, "reward")
+        rewards = [
+            {"name": r.name, "weight": r.weight, "kind": "model" if r.is_model else "function",
+             **({} if r.is_model else {"qualname": getattr(r.source, "__qualname__", type(r.source).__name__),
+                                        "module": getattr(r.source, "__module__", None)})}
+            for r in self.rewards
+        ]
+        for r in self.rewards[1 if self.reward_model is not None else 0:]:
+            if r.is_model:
+                models[f"reward:{r.name}"] = mf.model_identity(r.source, "reward")
         generation = {
             "response_length": self.args.response_length, "temperature": self.args.temperature, "top_k": 0,
-            "top_p": 1.0, "stop_token_id": self.stop_token_id, "pad_token_id": self.processing_class.pad_token_id,
+            "top_p": 1.0, "stop_token_id": self.stop_token_id, "stop_token_ids": list(self.stop_token_ids),
+            "pad_token_id": self.processing_class.pad_token_id,
         }
         hyper = self.args.to_dict()
-        hyper.update(kl_controller=self.kl_controller.state_dict(), resumed_from=getattr(self, "_resume_path", None))
+        hyper.update(kl_controller=self.kl_controller.state_dict(), resumed_from=getattr(self, "_resume_path", None),
+                     rewards=rewards)
         os.makedirs(self.args.output_dir, exist_ok=True)
         mf.write_manifest(self._manifest_path(), mf.build_manifest(
             models=models, tokenizer=self.processing_class, train_dataset=self.train_dataset,

@@ -18,14 +18,14 @@ import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import DataCollatorWithPadding, TrainerControl, TrainerState
+from transformers import TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
@@ -36,11 +36,13 @@ from ._compat import TRLPPOConfig, TRLPPOTrainer, prepare_deepspeed, unwrap_mode
 from .batching import BatchPlan
 from .checkpoint import clean_temp_dirs
 from .config import PPOConfig
+from .data import PromptCollator
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .offload import on_device
 from .policy_value import PolicyAndValue, lm_logits, score_at
 from .quantization import is_4bit_model, make_4bit_cpu_safe
+from .rewards import build_rewards, call_functions, combine_scores, values_and_mask
 from .run_state import CheckpointMixin
 from .sampler import EpochSeededSampler
 from .rollout import (
@@ -184,7 +186,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         processing_class,
         model: nn.Module,
         ref_model: nn.Module | None,
-        reward_model: nn.Module,
+        reward_model: nn.Module | None,
         train_dataset,
         value_model: nn.Module | None = None,
         data_collator=None,
@@ -194,13 +196,15 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         peft_config=None,
         *,
         eval_metrics: dict | None = None,
+        reward_funcs=None,
     ) -> None:
         args = _as_our_config(args)
         self.args = args
         self.processing_class = processing_class
-        self._check_inputs(model, ref_model, reward_model, train_dataset, processing_class)
+        self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
+        self._check_inputs(model, ref_model, train_dataset, processing_class)
         self.stop_token_id = self._resolve_stop_token(args, processing_class)
-        self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
+        self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.train_dataset_len = len(train_dataset)
 
@@ -211,9 +215,9 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
         if eval_dataset is not None:
             self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
-        self.reward_model = reward_model
+        self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
         self.ref_model = self._build_reference(model, ref_model)
-        for m in (wrapper, self.ref_model, self.reward_model):
+        for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model)):
             if m is not None:
                 _disable_dropout(m)
 
@@ -239,12 +243,18 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         for name, fn in self.eval_metrics.items():
             if not callable(fn):
                 raise TypeError(f"eval_metrics[{name!r}] must be a callable (prompts, completions) -> list[float].")
+        clash = sorted({r.name for r in self.rewards} & set(self.eval_metrics))
+        if clash:
+            raise ValueError(
+                f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
+                "eval metric."
+            )
         self._data_cursor = {"epoch": 0, "batches": 0}
         self._protected_checkpoints: set[str] = set()
         self._stale_discarded = self._nonfinite_steps = self._rollout_age = 0
 
     # ------------------------------------------------------------------ set-up
-    def _check_inputs(self, model, ref_model, reward_model, train_dataset, processing_class) -> None:
+    def _check_inputs(self, model, ref_model, train_dataset, processing_class) -> None:
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: a dataset of tokenized prompts with an `input_ids` column.")
         columns = getattr(train_dataset, "column_names", None)
@@ -269,14 +279,13 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
                 "`model` and `ref_model` are the same object. Pass ref_model=None (a frozen copy is made, or the "
                 "disabled adapter is used with PEFT) or a separate copy."
             )
-        if reward_model is None:
-            raise ValueError("`reward_model` is required: a sequence classifier with num_labels=1.")
-        outputs = _scalar_head_outputs(reward_model)
-        if outputs != 1:
-            raise ValueError(
-                f"`reward_model`'s score head has {outputs} outputs; PPO needs a scalar score. Load it with "
-                "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
-            )
+        for reward in self.rewards:
+            outputs = _scalar_head_outputs(reward.source) if reward.is_model else 1
+            if outputs != 1:
+                raise ValueError(
+                    f"`reward_model`'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. Load "
+                    "it with AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
+                )
 
     def _check_prompt_lengths(self, dataset, name: str, model_config) -> None:
         """Every prompt non-empty and short enough to leave ``response_length`` positions."""
@@ -490,25 +499,30 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
     def _place_frozen_models(self) -> None:
         """Reward and reference models: on the training device, or parked on the CPU when
         offloaded (moved in for each scoring pass, see ``score_rollout``)."""
-        for m in (self.unwrapped, self.ref_model, self.reward_model):
+        reward_models = [r.source for r in self.rewards if r.is_model]
+        for m in (self.unwrapped, self.ref_model, *reward_models):
             if m is not None and is_4bit_model(m):
                 make_4bit_cpu_safe(m)  # bitsandbytes' CPU repack breaks LoRA gradients
-        self.reward_model.eval().requires_grad_(False)
+        if self.ref_model is not None:
+            self.ref_model = self._place_frozen(self.ref_model, "ref_model", self.args.offload_ref_model)
+        self.rewards = [
+            replace(r, source=self._place_frozen(r.source, r.name, self.args.offload_reward_model)) if r.is_model else r
+            for r in self.rewards
+        ]
+        if self.reward_model is not None:
+            self.reward_model = self.rewards[0].source
+
+    def _place_frozen(self, model: nn.Module, name: str, offloaded: bool) -> nn.Module:
+        """A frozen model in eval mode: a DeepSpeed inference engine under DeepSpeed, else on the
+        training device, or on the CPU when ``offloaded`` on CUDA."""
+        model.eval().requires_grad_(False)
         if self.is_deepspeed_enabled:
-            self.reward_model = prepare_deepspeed(self.reward_model, self.accelerator)
-            if self.ref_model is not None:
-                self.ref_model = prepare_deepspeed(self.ref_model, self.accelerator)
-            return
+            return prepare_deepspeed(model, self.accelerator)
         cuda = self.accelerator.device.type == "cuda"
-        for name, offloaded in (("reward_model", self.args.offload_reward_model),
-                                ("ref_model", self.args.offload_ref_model)):
-            model = getattr(self, name)
-            if model is None:
-                continue
-            if offloaded and not cuda:
-                logger.info("%s offload has no effect without a CUDA device; it stays on %s.", name,
-                            self.accelerator.device)
-            setattr(self, name, model.to("cpu" if offloaded and cuda else self.accelerator.device))
+        if offloaded and not cuda:
+            logger.info("%s offload has no effect without a CUDA device; it stays on %s.", name,
+                        self.accelerator.device)
+        return model.to("cpu" if offloaded and cuda else self.accelerator.device)
 
     # ------------------------------------------------------------------ contexts
     @property
@@ -665,7 +679,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             decision = self.guards.stale_rollout(update)
             if decision.halt:
                 return decision
-            prompts = {"input_ids": rollout.queries, "attention_mask": rollout.query_mask}
+            prompts = {"input_ids": rollout.queries, "attention_mask": rollout.query_mask, **rollout.extras}
             rollout = self.score_rollout(self.generate_rollout(prompts))
 
     def _prompt_tensors(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -709,6 +723,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             logprobs=empty, ref_logprobs=empty, values=empty,
             scores=torch.zeros(mask.shape[0], device=mask.device), has_stop=has_stop,
             policy_version=self.state.global_step,
+            extras={k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS},
         )
 
     @torch.no_grad()
@@ -725,16 +740,73 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in zip(parts, inputs)))
         with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
             ref_logprobs = [self.reference_logprobs(p, i) for p, i in zip(parts, inputs)]
-        with self._frozen_on_device(self.reward_model, self.args.offload_reward_model):
-            scores = [self.reward_scores(p, i) for p, i in zip(parts, inputs)]
+        scores, reward_values, reward_applies = self.score_rewards(rollout, parts, inputs)
         mask = rollout.response_mask
         out = {
             "logprobs": torch.cat(logprobs).float().masked_fill(~mask, 0.0),
             "values": torch.cat(values).float().masked_fill(~mask, 0.0),
             "ref_logprobs": torch.cat(ref_logprobs).float().masked_fill(~mask, 0.0),
-            "scores": torch.cat(scores).float(),
+            "scores": scores, "reward_values": reward_values, "reward_applies": reward_applies,
         }
-        return Rollout(**{**{f.name: getattr(rollout, f.name) for f in fields(rollout)}, **out})
+        return replace(rollout, **out)
+
+    @torch.no_grad()
+    def score_rewards(self, rollout: Rollout, parts: list[Rollout] | None = None, inputs: list | None = None):
+        """Every reward of ``self.rewards`` on the rollout, and their weighted sum.
+
+        Models are read at the last valid token chunk by chunk (``parts``/``inputs``, made here
+        when not given); functions get the whole batch at once (see ``trl_ppo_ext.rewards``).
+
+        Returns:
+            ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool)``.
+        """
+        if parts is None:
+            chunk = self.args.local_rollout_forward_batch_size
+            parts = [rollout.select(torch.arange(s, min(s + chunk, rollout.batch_size)))
+                     for s in range(0, rollout.batch_size, chunk)]
+            inputs = [sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask) for p in parts]
+        columns: list = [None] * len(self.rewards)
+        for k, reward in enumerate(self.rewards):
+            if reward.is_model:
+                with self._frozen_on_device(reward.source, self.args.offload_reward_model):
+                    # `reward_model` through the two-argument form, which subclasses may override as in TRL
+                    extra = () if reward.source is self.reward_model else (reward.source,)
+                    scores = torch.cat([self.reward_scores(p, i, *extra) for p, i in zip(parts, inputs)])
+                columns[k] = scores.float().tolist()
+        functions = [(k, r) for k, r in enumerate(self.rewards) if not r.is_model]
+        if functions:
+            update = self.state.global_step + 1
+            outputs = call_functions([r for _, r in functions], self.reward_function_kwargs(rollout),
+                                     rollout.batch_size, update)
+            for (k, _), column in zip(functions, outputs):
+                columns[k] = column
+        values, applies = values_and_mask(columns, rollout.responses.device)
+        weights = torch.tensor([r.weight for r in self.rewards], device=values.device)
+        none_apply = int((~applies.any(dim=1)).sum())
+        if none_apply:
+            logger.warning(
+                "%d of %d completions got no reward: every reward function returned None for them (score 0). "
+                "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
+                none_apply, rollout.batch_size,
+            )
+        return combine_scores(values, applies, weights), values, applies
+
+    def reward_function_kwargs(self, rollout: Rollout) -> dict:
+        """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
+        ``completions``, ``completion_ids``, ``trainer_state`` and every other dataset column."""
+        tok = self.processing_class
+        extras = rollout.extras
+        prompts = extras.get("prompt")
+        if prompts is None:
+            prompts = tok.batch_decode([q[m] for q, m in zip(rollout.queries, rollout.query_mask)],
+                                       skip_special_tokens=True)
+        completion_ids = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+        texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: v for k, v in extras.items() if k not in ("prompt", "completion", "completion_ids")}
+        return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                "trainer_state": self.state, **columns}
 
     def _frozen_on_device(self, model, offloaded: bool):
         """Bring an offloaded frozen model to the training device for one block."""
@@ -771,11 +843,12 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
             logits = lm_logits(ref, input_ids, attention_mask, position_ids, logits_to_keep=T + 1)
         return F.logprobs_from_logits(response_logits(logits, T, self.temperature), part.valid_responses)
 
-    def reward_scores(self, part: Rollout, inputs) -> torch.Tensor:
-        """Raw RM score ``(b,)`` read at the last valid response token (the EOS when present)."""
+    def reward_scores(self, part: Rollout, inputs, model: nn.Module | None = None) -> torch.Tensor:
+        """Raw score ``(b,)`` of a reward model (default ``self.reward_model``) read at the last
+        valid response token (the EOS when present)."""
         index = part.queries.shape[1] + F.last_valid_index(part.response_mask)
         with self.accelerator.autocast():
-            return score_at(self.reward_model, *inputs, index=index)
+            return score_at(model if model is not None else self.reward_model, *inputs, index=index)
 
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> Advantages:
@@ -943,9 +1016,23 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         ratio_max = self.accelerator.gather(stats["ratio_max"].max()[None].to(self.accelerator.device)).max()
         metrics = {k: float(v) for k, v in zip(names, gathered.tolist())}
         metrics["val/ratio_max"] = float(ratio_max)
+        metrics.update(self._reward_metrics(rollout))
         metrics["policy/lag"] = float(self._rollout_age)
         metrics["rollout/stale_discarded"] = float(self._stale_discarded)
         metrics["train/nonfinite_steps"] = float(self._nonfinite_steps)
+        return metrics
+
+    def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """``rewards/<name>/mean`` and ``/std`` of each reward over the completions it applies to,
+        on every process (population std; NaN when it applied to none)."""
+        values = self.accelerator.gather(rollout.reward_values)
+        applies = self.accelerator.gather(rollout.reward_applies)
+        metrics = {}
+        for k, reward in enumerate(self.rewards):
+            column = values[:, k][applies[:, k]].double()
+            mean = float(column.mean()) if column.numel() else float("nan")
+            std = float(column.std(unbiased=False)) if column.numel() else float("nan")
+            metrics[f"rewards/{reward.name}/mean"], metrics[f"rewards/{reward.name}/std"] = mean, std
         return metrics
 
     def log_update(self, metrics: dict[str, float]) -> None:
@@ -1011,11 +1098,13 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
                     "eval/response_length": r.response_mask.sum(1),
                     "eval/kl": (r.logprobs - r.ref_logprobs).sum(1),
                 }
+                for k, reward in enumerate(self.rewards):  # NaN where it does not apply; nanmean below
+                    row[f"eval/{reward.name}"] = r.reward_values[:, k]
                 for name, fn in self.eval_metrics.items():
                     row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
-        return {key: float(torch.cat(parts).mean()) for key, parts in columns.items()}
+        return {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
 
     # ------------------------------------------------------------------ outputs
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -1054,9 +1143,7 @@ class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
         for batch in self.eval_dataloader:
             rollout = self.generate_rollout(batch, temperature=0.01)  # near-greedy, as TRL
             queries, responses, mask = rollout.queries, rollout.responses, rollout.response_mask
-            inputs = sequence_inputs(queries, rollout.query_mask, responses, mask)
-            with self._frozen_on_device(self.reward_model, self.args.offload_reward_model):
-                scores = self.reward_scores(rollout, inputs)
+            scores = self.score_rewards(rollout)[0]
             texts = [tok.decode(r[m].tolist()) for r, m in zip(responses, mask)]
             # One gather rule for all three columns (gather_object alone kept accelerate's
             # padding duplicates that gather_for_metrics drops: columns of unequal length).

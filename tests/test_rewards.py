@@ -1,0 +1,261 @@
+"""Reward functions beside (or instead of) a reward model: the weighted sum and None on
+hand-computed values, GRPO's calling convention (dataset columns, conversational completions),
+an RM and functions together, concurrency of async functions, and every error."""
+
+import asyncio
+import functools
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from conftest import prompt_dataset, tiny_config, tiny_models
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.data import PromptCollator
+from trl_ppo_ext.rewards import (
+    Reward,
+    build_rewards,
+    call_functions,
+    check_outputs,
+    combine_scores,
+    reward_name,
+    values_and_mask,
+)
+from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
+
+
+def ones(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+# ---------------------------------------------------------------- pure parts
+def test_weighted_sum_over_the_rewards_that_apply():
+    # rows: both apply; only the first; none
+    values, applies = values_and_mask([[1.0, 2.0, None], [10.0, None, None]], device="cpu")
+    assert applies.tolist() == [[True, True], [True, False], [False, False]]
+    scores = combine_scores(values, applies, torch.tensor([0.5, 2.0]))
+    # 0.5 * 1 + 2 * 10 = 20.5; 0.5 * 2 = 1.0; nothing applies -> 0
+    assert scores.tolist() == [20.5, 1.0, 0.0]
+
+
+def test_nan_from_a_function_reaches_the_score():
+    values, applies = values_and_mask([[float("nan"), 1.0]], device="cpu")
+    assert applies.all()
+    scores = combine_scores(values, applies, torch.tensor([1.0]))
+    assert math.isnan(scores[0]) and scores[1] == 1.0
+
+
+def test_names_and_weights():
+    tok = build_tiny_tokenizer()
+    rm = build_tiny_scorer(tok)
+    rm.config._name_or_path = "org/my-rm"
+    rewards = build_rewards(rm, [ones, functools.partial(ones), lambda completions, **kw: [0.0]], [1.0, 2.0, 3.0, 4.0])
+    assert [r.name for r in rewards] == ["my-rm", "ones_1", "ones_2", "<lambda>"]
+    assert [r.weight for r in rewards] == [1.0, 2.0, 3.0, 4.0]
+    assert [r.is_model for r in rewards] == [True, False, False, False]
+    assert reward_name(ones) == "ones"
+
+
+@pytest.mark.parametrize("outputs, message", [
+    ([1.0], r"'f' returned 1 values at update 7, expected 2"),
+    ("ab", r"'f' returned 'a' \(str\) for completion 0 at update 7"),
+    (3.0, r"'f' returned 3.0 \(float\) at update 7; it must return a list of 2 floats"),
+    ([1.0, {"x": 1}], r"returned \{'x': 1\} \(dict\) for completion 1 at update 7"),
+])
+def test_bad_outputs_name_the_function_what_it_returned_and_the_update(outputs, message):
+    with pytest.raises(ValueError, match=message):
+        check_outputs("f", outputs, expected=2, update=7)
+
+
+def test_outputs_accept_numbers_of_any_kind_and_none():
+    import numpy as np
+
+    assert check_outputs("f", [np.float32(0.5), 1, None, True], expected=4, update=1) == [0.5, 1.0, None, 1.0]
+    assert check_outputs("f", torch.tensor([0.25, 2.0]), expected=2, update=1) == [0.25, 2.0]
+
+
+def test_a_function_that_raises_is_named():
+    def broken(completions, **kwargs):
+        raise KeyError("answer")
+
+    with pytest.raises(RuntimeError, match=r"Reward function 'broken' raised KeyError at update 3: 'answer'"):
+        call_functions([Reward("broken", broken, 1.0)], {"completions": ["a"]}, expected=1, update=3)
+
+
+def test_async_functions_run_concurrently():
+    """Each function waits for the other's signal: run one after the other, neither would finish."""
+    async def waiting_for_b(completions, **kwargs):
+        await asyncio.wait_for(b_started.wait(), timeout=5)
+        a_started.set()
+        return [1.0] * len(completions)
+
+    async def waiting_for_a(completions, **kwargs):
+        b_started.set()
+        await asyncio.wait_for(a_started.wait(), timeout=5)
+        return [2.0] * len(completions)
+
+    def run():
+        # the events belong to the loop that call_functions starts
+        globals()["a_started"], globals()["b_started"] = _LazyEvent(), _LazyEvent()
+        return call_functions([Reward("a", waiting_for_b, 1.0), Reward("b", waiting_for_a, 1.0)],
+                              {"completions": ["x", "y"]}, expected=2, update=1)
+
+    assert run() == [[1.0, 1.0], [2.0, 2.0]]
+
+
+class _LazyEvent:
+    """An asyncio.Event created on first use, inside the running loop."""
+
+    def __init__(self):
+        self._event = None
+
+    def _get(self):
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+    def set(self):
+        self._get().set()
+
+    def wait(self):
+        return self._get().wait()
+
+
+def test_errors_before_training(tmp_path):
+    tok = build_tiny_tokenizer()
+    policy, ref, value, reward = tiny_models(tok)
+    common = dict(processing_class=tok, model=policy, ref_model=ref, value_model=value,
+                  train_dataset=prompt_dataset(tok))
+    with pytest.raises(ValueError, match=r"reward_weights has 1 weights \[1.0\] but there are 2 rewards"):
+        PPOTrainer(args=tiny_config(tmp_path, reward_weights=[1.0]), reward_model=reward, reward_funcs=[ones],
+                   **common)
+    with pytest.raises(ValueError, match="No reward: pass `reward_model`"):
+        PPOTrainer(args=tiny_config(tmp_path), reward_model=None, **common)
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\] is a str"):
+        PPOTrainer(args=tiny_config(tmp_path), reward_model=None, reward_funcs=["accuracy"], **common)
+
+
+# ---------------------------------------------------------------- in the trainer
+def _answer_dataset(tok, n=8):
+    """Prompts with an `answer` column: the word the completion should start with."""
+    w = tok.convert_tokens_to_ids
+    rows = {"input_ids": [], "answer": [], "prompt": []}
+    for i in range(n):
+        words = [f"w{(i + k) % 10}" for k in range(3)]
+        rows["input_ids"].append([w(x) for x in words])
+        rows["prompt"].append(" ".join(words))
+        rows["answer"].append(f"w{i % 10}")
+    return Dataset.from_dict(rows)
+
+
+def test_columns_reach_the_functions_and_an_rm_combines_with_them(tmp_path):
+    tok = build_tiny_tokenizer()
+    policy, ref, value, reward = tiny_models(tok)
+    seen = []
+
+    def starts_with_answer(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        seen.append({"prompts": list(prompts), "answer": list(answer), "ids": completion_ids,
+                     "completions": list(completions), "step": trainer_state.global_step})
+        return [1.0 if c.split()[:1] == [a] else None for c, a in zip(completions, answer)]
+
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path, total_episodes=8, reward_weights=[0.5, 2.0]), processing_class=tok,
+        model=policy, ref_model=ref, reward_model=reward, reward_funcs=[starts_with_answer], value_model=value,
+        train_dataset=_answer_dataset(tok),
+    )
+    data = _answer_dataset(tok)
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    call = seen[-1]
+    by_prompt = dict(zip(data["prompt"], data["answer"]))
+    assert [by_prompt[p] for p in call["prompts"]] == call["answer"]  # columns travel with their row
+    assert call["step"] == 0
+    for ids, text, r, m in zip(call["ids"], call["completions"], rollout.responses, rollout.response_mask):
+        assert ids == r[m].tolist() and text == tok.decode(ids, skip_special_tokens=True)
+    # combined: 0.5 * RM + 2.0 * function, the function only where it applied
+    rm, fn = rollout.reward_values[:, 0], rollout.reward_values[:, 1]
+    applies = rollout.reward_applies[:, 1]
+    expected = 0.5 * rm + torch.where(applies, 2.0 * fn, torch.zeros(()))
+    torch.testing.assert_close(rollout.scores, expected, rtol=0, atol=0)
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "objective/scores" in h][-1]
+    assert {"rewards/starts_with_answer/mean", "rewards/starts_with_answer/std"} <= set(log)
+    assert math.isfinite(log[f"rewards/{trainer.rewards[0].name}/mean"])
+
+
+def test_conversational_prompts_give_message_completions(tmp_path):
+    tok = build_tiny_tokenizer()
+    policy, ref, value, _ = tiny_models(tok)
+    w = tok.convert_tokens_to_ids
+    data = Dataset.from_dict({
+        "input_ids": [[w("w1"), w("w2")]] * 4,
+        "prompt": [[{"role": "user", "content": "w1 w2"}]] * 4,
+    })
+    seen = []
+
+    def record(prompts, completions, **kwargs):
+        seen.append((prompts, completions))
+        return [0.0] * len(completions)
+
+    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=policy,
+                         ref_model=ref, reward_model=None, reward_funcs=record, value_model=value,
+                         train_dataset=data)
+    trainer.train()
+    prompts, completions = seen[0]
+    assert prompts[0] == [{"role": "user", "content": "w1 w2"}]
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
+
+
+def test_nan_from_a_reward_function_is_caught_by_the_nonfinite_guard(tmp_path):
+    tok = build_tiny_tokenizer()
+    policy, ref, value, _ = tiny_models(tok)
+    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=16, nonfinite_halt_after=2),
+                         processing_class=tok, model=policy, ref_model=ref, reward_model=None,
+                         reward_funcs=lambda completions, **kw: [float("nan")] * len(completions),
+                         value_model=value, train_dataset=prompt_dataset(tok))
+    trainer.train()
+    assert trainer.state.halted_by == "nonfinite"
+
+
+def test_a_reward_function_as_the_held_out_metric(tmp_path):
+    tok = build_tiny_tokenizer()
+    policy, ref, value, reward = tiny_models(tok)
+
+    def length(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path, total_episodes=8, eval_strategy="steps", eval_steps=1,
+                         reward_hacking_metric="length", reward_weights=[1.0, 0.0]),
+        processing_class=tok, model=policy, ref_model=ref, reward_model=reward, reward_funcs=[length],
+        value_model=value, train_dataset=prompt_dataset(tok), eval_dataset=prompt_dataset(tok, n=4, seed=1),
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert all(h["eval/length"] == h["eval/response_length"] for h in logs)  # same rows, same lengths
+
+
+def test_prompt_collator_pads_ids_and_carries_columns():
+    tok = build_tiny_tokenizer()
+    batch = PromptCollator(tok)([{"input_ids": [5, 6, 7], "answer": "x"}, {"input_ids": [8], "answer": "y"}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [tok.pad_token_id] * 2 + [8]]  # left padding
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch["answer"] == ["x", "y"]
+
+
+
+def test_trl_ready_made_reward_functions_work_as_is(tmp_path):
+    rewards = pytest.importorskip("trl.rewards", reason="this TRL has no trl.rewards")
+    tok = build_tiny_tokenizer()
+    policy, ref, value, _ = tiny_models(tok)
+    w = tok.convert_tokens_to_ids
+    data = Dataset.from_dict({"input_ids": [[w("w1"), w("w2")]] * 4,
+                              "prompt": [[{"role": "user", "content": "w1 w2"}]] * 4})
+    funcs = [rewards.think_format_reward, rewards.get_soft_overlong_punishment(6, 2),
+             rewards.get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)]
+    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=policy,
+                         ref_model=ref, reward_model=None, reward_funcs=funcs, value_model=value, train_dataset=data)
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "objective/scores" in h][-1]
+    assert log["rewards/think_format_reward/mean"] == 0.0  # no <think> tags from a random tiny model
+    assert all(math.isfinite(log[f"rewards/{r.name}/mean"]) for r in trainer.rewards)

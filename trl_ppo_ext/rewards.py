@@ -1,0 +1,220 @@
+"""Rewards beyond one reward model: Python reward functions, verifiable rewards, several combined.
+
+A *reward* is either a sequence-classifier model (read at the last valid response token, as
+the trainer reads ``reward_model``) or a Python callable with TRL GRPO's calling convention::
+
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)
+        -> list[float | None]     # one per completion; None: "does not apply here"
+
+``prompts`` are the dataset's ``prompt`` column when it has one (text, or a message list for
+conversational data), else the decoded prompt tokens; ``completions`` are the decoded responses
+(without special tokens), or ``[{"role": "assistant", "content": text}]`` when the prompts are
+conversational; ``completion_ids`` the valid response ids (through the EOS). ``async def``
+functions run concurrently with each other.
+
+The scores of one completion combine as a weighted sum over the rewards that apply to it
+(``PPOConfig.reward_weights``, default 1 each). A completion to which no reward applies gets 0
+and a warning; NaN or inf pass through to the non-finite guard, as an RM's would.
+
+Notation: ``B`` completions, ``F`` rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward source: its name (for metrics), the model or callable, and its weight."""
+
+    name: str
+    source: nn.Module | Callable
+    weight: float
+
+    @property
+    def is_model(self) -> bool:
+        return isinstance(self.source, nn.Module)
+
+    @property
+    def is_async(self) -> bool:
+        return _is_async(self.source)
+
+
+def _is_async(fn) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def reward_name(source) -> str:
+    """``__name__`` of a function (through ``functools.partial``), the last part of a model's
+    ``name_or_path``, else the class name."""
+    if isinstance(source, nn.Module):
+        path = getattr(getattr(source, "config", None), "_name_or_path", "") or ""
+        return path.rstrip("/").split("/")[-1] or type(source).__name__
+    while isinstance(source, functools.partial):
+        source = source.func
+    return getattr(source, "__name__", None) or type(source).__name__
+
+
+def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | None) -> list[Reward]:
+    """``reward_model`` (first, if given) and ``reward_funcs`` (one or a list) as ``Reward``s.
+
+    Raises ``ValueError`` when there is no reward at all, when ``reward_weights`` does not have
+    one weight per reward, or when an entry is neither a model nor a callable.
+    """
+    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [
+        reward_funcs]
+    sources = ([reward_model] if reward_model is not None else []) + funcs
+    if not sources:
+        raise ValueError(
+            "No reward: pass `reward_model` (a sequence classifier with num_labels=1), `reward_funcs` (a callable "
+            "or a list of callables/models), or both."
+        )
+    for i, source in enumerate(funcs):
+        if not isinstance(source, nn.Module) and not callable(source):
+            raise ValueError(
+                f"reward_funcs[{i}] is a {type(source).__name__}; each reward must be a sequence-classifier model or "
+                "a callable fn(prompts, completions, completion_ids, **columns) -> list[float | None]."
+            )
+    if reward_weights is None:
+        weights = [1.0] * len(sources)
+    elif len(reward_weights) != len(sources):
+        names = [reward_name(s) for s in sources]
+        raise ValueError(
+            f"PPOConfig.reward_weights has {len(reward_weights)} weights {list(reward_weights)} but there are "
+            f"{len(sources)} rewards {names} (reward_model first, then reward_funcs). Give one weight per reward."
+        )
+    else:
+        weights = [float(w) for w in reward_weights]
+    return [Reward(name, source, weight) for name, source, weight in zip(_unique_names(sources), sources, weights)]
+
+
+def _unique_names(sources) -> list[str]:
+    names = [reward_name(s) for s in sources]
+    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+def combine_scores(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each completion's rewards over those that apply to it.
+
+    Args:
+        values: ``(B, F)`` float, each reward's value (anything where ``applies`` is False).
+        applies: ``(B, F)`` bool, False where a function returned None.
+        weights: ``(F,)`` float.
+    Returns:
+        ``(B,)`` float: ``sum_f weights[f] * values[b, f]`` over ``f`` with ``applies[b, f]``; 0 for a
+        row where nothing applies. NaN/inf in an applying value stay (the non-finite guard sees them).
+
+    Example:
+        >>> combine_scores(torch.tensor([[1., 5.], [2., 0.]]), torch.tensor([[True, True], [True, False]]),
+        ...                torch.tensor([1., 0.5]))
+        tensor([3.5000, 2.0000])
+    """
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return torch.where(applies, values * weights.to(values), zero).sum(dim=1)
+
+
+def check_outputs(name: str, outputs, expected: int, update: int) -> list[float | None]:
+    """A reward function's return value as ``expected`` floats or Nones, or a ``ValueError`` that
+    names the function, what it returned and the update."""
+    if isinstance(outputs, torch.Tensor):
+        outputs = outputs.tolist()
+    try:
+        outputs = list(outputs)
+    except TypeError:
+        raise ValueError(
+            f"Reward function {name!r} returned {outputs!r} ({type(outputs).__name__}) at update {update}; it must "
+            f"return a list of {expected} floats (or None where it does not apply), one per completion."
+        ) from None
+    if len(outputs) != expected:
+        raise ValueError(
+            f"Reward function {name!r} returned {len(outputs)} values at update {update}, expected {expected} (one per "
+            f"completion); first values: {outputs[:4]!r}."
+        )
+    checked = []
+    for i, value in enumerate(outputs):
+        if value is None:
+            checked.append(None)
+            continue
+        if not isinstance(value, (int, float)) and not _is_number(value):
+            raise ValueError(
+                f"Reward function {name!r} returned {value!r} ({type(value).__name__}) for completion {i} at update "
+                f"{update}; each value must be a number, or None where the reward does not apply."
+            )
+        checked.append(float(value))
+    return checked
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return hasattr(value, "__float__")
+
+
+def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, update: int) -> list[list[float | None]]:
+    """Call every reward function with ``kwargs``; ``async`` ones run concurrently.
+
+    Returns one checked list per function, in order. An exception inside a function is
+    re-raised as ``RuntimeError`` naming the function and the update (the original is chained).
+    """
+    results: dict[int, object] = {}
+    pending = [(i, r) for i, r in enumerate(rewards) if r.is_async]
+    for i, r in enumerate(rewards):
+        if not r.is_async:
+            results[i] = _guarded(r.name, update, lambda r=r: r.source(**kwargs))
+    if pending:
+        outputs = _run_async([r.source(**kwargs) for _, r in pending], [r.name for _, r in pending], update)
+        results.update({i: out for (i, _), out in zip(pending, outputs)})
+    return [check_outputs(r.name, results[i], expected, update) for i, r in enumerate(rewards)]
+
+
+def _guarded(name: str, update: int, call):
+    try:
+        return call()
+    except Exception as err:
+        raise RuntimeError(f"Reward function {name!r} raised {type(err).__name__} at update {update}: {err}") from err
+
+
+def _run_async(coroutines: list, names: list[str], update: int) -> list:
+    """Await ``coroutines`` together; from inside a running event loop (a notebook), in a thread."""
+
+    async def gather():
+        outs = await asyncio.gather(*coroutines, return_exceptions=True)
+        for name, out in zip(names, outs):
+            if isinstance(out, Exception):
+                raise RuntimeError(
+                    f"Reward function {name!r} raised {type(out).__name__} at update {update}: {out}"
+                ) from out
+        return outs
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def values_and_mask(columns: list[list[float | None]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked per-function lists -> ``(values (B, F) float32, applies (B, F) bool)``."""
+    rows = list(zip(*columns))
+    applies = torch.tensor([[v is not None for v in row] for row in rows], dtype=torch.bool, device=device)
+    values = torch.tensor([[math.nan if v is None else v for v in row] for row in rows], dtype=torch.float32,
+                          device=device)
+    return values, applies
