@@ -1,5 +1,6 @@
 """Tiny local models, tokenizers and prompt datasets shared by the trainer tests."""
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,3 +100,23 @@ def record_optimizer_steps(trainer):
 
     trainer.log_update = log_and_count
     return counts
+
+
+EXPECTED_METRICS = [
+    "objective/scores", "objective/non_score_reward", "objective/rlhf_reward", "objective/kl",
+    "objective/entropy", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+    "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/explained_variance", "val/ratio",
+    "val/ratio_max", "val/advantage_mean", "val/advantage_std", "val/response_length", "val/eos_rate",
+    "val/truncation_rate", "lr", "eps",
+]
+
+
+def assert_metrics(trainer, n_updates):
+    """Every update of ``trainer`` logged every expected metric, all finite."""
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == n_updates
+    for entry in logs:
+        missing = [k for k in EXPECTED_METRICS if k not in entry]
+        assert not missing, f"missing metrics {missing}"
+        bad = {k: entry[k] for k in EXPECTED_METRICS if not math.isfinite(entry[k])}
+        assert not bad, f"non-finite metrics {bad}"

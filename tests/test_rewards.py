@@ -85,6 +85,8 @@ def test_a_function_that_raises_is_named():
 
 def test_async_functions_run_concurrently():
     """Each function waits for the other's signal: run one after the other, neither would finish."""
+    a_started, b_started = _LazyEvent(), _LazyEvent()
+
     async def waiting_for_b(completions, **kwargs):
         await asyncio.wait_for(b_started.wait(), timeout=5)
         a_started.set()
@@ -95,17 +97,13 @@ def test_async_functions_run_concurrently():
         await asyncio.wait_for(a_started.wait(), timeout=5)
         return [2.0] * len(completions)
 
-    def run():
-        # the events belong to the loop that call_functions starts
-        globals()["a_started"], globals()["b_started"] = _LazyEvent(), _LazyEvent()
-        return call_functions([Reward("a", waiting_for_b, 1.0), Reward("b", waiting_for_a, 1.0)],
-                              {"completions": ["x", "y"]}, expected=2, update=1)
-
-    assert run() == [[1.0, 1.0], [2.0, 2.0]]
+    outputs = call_functions([Reward("a", waiting_for_b, 1.0), Reward("b", waiting_for_a, 1.0)],
+                             {"completions": ["x", "y"]}, expected=2, update=1)
+    assert outputs == [[1.0, 1.0], [2.0, 2.0]]
 
 
 class _LazyEvent:
-    """An asyncio.Event created on first use, inside the running loop."""
+    """An asyncio.Event created on first use, inside the event loop that call_functions runs."""
 
     def __init__(self):
         self._event = None

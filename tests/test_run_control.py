@@ -81,12 +81,12 @@ def test_a_heuristic_guard_warns_once_by_default_and_the_run_finishes(tmp_path, 
 
 
 class StaleFirst(PPOTrainer):
-    served = 0
+    """Serves its first rollout as if an asynchronous producer had sampled it 3 updates ago."""
 
     def produce_rollout(self):
         rollout = super().produce_rollout()
-        StaleFirst.served += 1
-        if StaleFirst.served == 1:
+        self.served = getattr(self, "served", 0) + 1
+        if self.served == 1:
             rollout.policy_version = self.state.global_step - 3  # as if an async producer lagged
         return rollout
 

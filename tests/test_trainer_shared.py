@@ -4,8 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from conftest import prompt_dataset, tiny_config
-from test_trainer import _assert_metrics
+from conftest import assert_metrics, prompt_dataset, tiny_config
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.modeling import SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
@@ -33,7 +32,7 @@ def test_shared_actor_critic_trains_adapter_and_head_only_and_round_trips(tmp_pa
     )
     assert trainer.ref_model is None
     trainer.train()
-    _assert_metrics(trainer, n_updates=2)
+    assert_metrics(trainer, n_updates=2)
     now = dict(ac.named_parameters())
     assert not torch.equal(now["value_head.weight"], trainable["value_head.weight"])
     assert any(not torch.equal(now[k], v) for k, v in trainable.items() if "lora_B" in k)
@@ -58,7 +57,7 @@ def test_plain_policy_with_peft_config_and_no_value_model_builds_the_shared_mode
     )
     assert isinstance(trainer.unwrapped, SharedActorCritic)
     trainer.train()
-    _assert_metrics(trainer, n_updates=1)
+    assert_metrics(trainer, n_updates=1)
 
 
 def test_reference_logprobs_equal_the_untouched_base(tmp_path):
@@ -101,7 +100,7 @@ def test_4bit_base_trains_one_ppo_step(tmp_path):
         value_model=None,
     )
     trainer.train()
-    _assert_metrics(trainer, n_updates=1)
+    assert_metrics(trainer, n_updates=1)
     now = dict(ac.named_parameters())
     assert not torch.equal(now["value_head.weight"], trainable["value_head.weight"])
 
