@@ -338,7 +338,7 @@ def _lora_targets(targets: list[str] | None) -> list[str] | str:
 
 def _checked_source(flag: str, value: str) -> str:
     """A model path or hub id, or a FileNotFoundError that names the command-line flag."""
-    from trl_ppo_ext.modeling import resolve_model_source
+    from trl_ppo_ext.loading import resolve_model_source
 
     try:
         return resolve_model_source(value)
@@ -444,7 +444,7 @@ def build_real(script: ScriptArguments, config: PPOConfig, model_args: ModelArgu
     """Checkpoints and a prompt dataset; every check runs before the first large model is loaded."""
     from transformers import AutoConfig
 
-    from trl_ppo_ext.modeling import load_actor_critic, load_reward_model
+    from trl_ppo_ext.loading import load_actor_critic, load_reward_model
 
     policy_source = _checked_source("--model_name_or_path", script.model_name_or_path)
     rm_source = _checked_source("--reward_model_path", config.reward_model_path)

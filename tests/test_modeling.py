@@ -22,9 +22,8 @@ from trl_ppo_ext.modeling import (
     VALUE_HEAD_WEIGHTS,
     SharedActorCritic,
     default_lora_config,
-    load_actor_critic,
-    load_reward_model,
 )
+from trl_ppo_ext.loading import load_actor_critic, load_reward_model
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, tiny_llama_config
 
 # peft 0.21 reads a property transformers 5 deprecated; not ours to fix.
@@ -474,3 +473,13 @@ def test_4bit_actor_critic_on_cuda_uses_bf16_and_trains(lm_dir, ids):
     assert values.dtype == torch.float32
     (values.sum() + logits.float().mean()).backward()
     assert model.value_head.weight.grad is not None
+
+
+def test_loaders_keep_their_old_import_path():
+    from trl_ppo_ext import loading, modeling
+
+    assert modeling.load_actor_critic is loading.load_actor_critic
+    assert modeling.load_reward_model is loading.load_reward_model
+    assert modeling.resolve_model_source is loading.resolve_model_source
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        modeling.nope

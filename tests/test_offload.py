@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from trl_ppo_ext.modeling import load_reward_model
+from trl_ppo_ext.loading import load_reward_model
 from trl_ppo_ext.offload import module_devices, on_device
 from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
 

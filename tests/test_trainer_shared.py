@@ -86,7 +86,7 @@ def test_reference_logprobs_equal_the_untouched_base(tmp_path):
 
 def test_4bit_base_trains_one_ppo_step(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from trl_ppo_ext.modeling import load_actor_critic
+    from trl_ppo_ext.loading import load_actor_critic
 
     tok = build_tiny_tokenizer()
     base_dir = tmp_path / "base"
