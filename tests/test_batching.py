@@ -75,6 +75,7 @@ SWEEP = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_device, ga, nmb, epochs, prompts, eval_prompts", SWEEP)
 def test_one_optimizer_step_per_mini_batch_per_epoch(tmp_path, per_device, ga, nmb, epochs, prompts, eval_prompts):
     tok = build_tiny_tokenizer(pad_equals_eos=True)

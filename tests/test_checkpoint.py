@@ -173,6 +173,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", ["checkpoint-2", "checkpoint-1"])
 def test_sigkill_mid_write_leaves_the_previous_checkpoint_intact(tmp_path, second):
     out = tmp_path / "out"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocess runs
+
 SCRIPT = Path(__file__).parent / "scripts" / "ppo_two_process.py"
 
 

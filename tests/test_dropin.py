@@ -15,6 +15,8 @@ import pytest
 
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
+pytestmark = pytest.mark.slow  # subprocess runs
+
 SCRIPT = Path(__file__).parent / "scripts" / "ppo_trl_style.py"
 
 

@@ -180,6 +180,7 @@ def _run(out, mode):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_sigkill_during_update_4_then_resume_matches_a_straight_run(tmp_path):
     straight, killed = _run(tmp_path, "straight"), _run(tmp_path, "killed")
     assert straight.returncode == 0, straight.stderr[-4000:]
