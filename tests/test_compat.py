@@ -38,3 +38,21 @@ def test_import_of_package_fails_clearly_with_unsupported_trl(monkeypatch):
             importlib.import_module("trl_ppo_ext")
     finally:
         sys.modules.update(saved)
+
+
+def test_prepare_deepspeed_calls_trl_models_utils_with_the_accelerator(monkeypatch):
+    """The TRL 1.0 bug: its PPO module imports a ``prepare_deepspeed(model, batch_size, fp16,
+    bf16)``; we must call ``trl.models.utils.prepare_deepspeed(model, accelerator)``."""
+    import sys
+
+    import trl.models.utils
+
+    calls = []
+    monkeypatch.setattr(trl.models.utils, "prepare_deepspeed", lambda model, accelerator: calls.append(
+        (model, accelerator)) or "engine")
+    module = sys.modules[_compat.load_trl_ppo()[0].__module__]  # whatever it holds must not run
+    monkeypatch.setattr(module, "prepare_deepspeed", lambda *a, **k: pytest.fail("PPO module's helper ran"),
+                        raising=False)
+    model, accelerator = object(), object()
+    assert _compat.prepare_deepspeed(model, accelerator) == "engine"
+    assert calls == [(model, accelerator)]

@@ -101,8 +101,13 @@ def unwrap_model_for_generation(*args, **kwargs):
 
 
 def prepare_deepspeed(model, accelerator):
-    """TRL's helper that wraps a frozen model in a DeepSpeed inference engine."""
-    fn = getattr(__getattr__("trl_ppo_trainer_module"), "prepare_deepspeed", None)
-    if fn is None:  # pragma: no cover - location differs across 1.x
-        from trl.trainer.utils import prepare_deepspeed as fn
-    return fn(model, accelerator)
+    """TRL's helper that wraps a frozen model in a DeepSpeed inference engine.
+
+    Always ``trl.models.utils.prepare_deepspeed(model, accelerator)``, which has that
+    signature in every TRL 1.x. (The one TRL 1.0's PPO module imports is
+    ``trl.trainer.utils.prepare_deepspeed(model, per_device_train_batch_size, fp16, bf16)``:
+    looked up through the PPO module, ZeRO-1/2 got the accelerator as a batch size.)
+    """
+    from trl.models.utils import prepare_deepspeed as _prepare
+
+    return _prepare(model, accelerator)
