@@ -46,6 +46,10 @@ with 2, at a load average of ~6).
 The last two lines are ``throughput ratio separate/upstream: <x.xx>`` and
 ``throughput ratio shared/upstream: <x.xx>`` (median episodes/s, for 100m when it ran,
 else the last size). Timings are never asserted.
+
+The upstream contender needs a TRL that has a PPO trainer (1.0 - 1.12; 1.13 removed it). With
+a newer TRL it is left out, the run says so, ratios are taken to ``separate`` and the last
+line is ``throughput ratio shared/separate: <x.xx>``.
 """
 
 from __future__ import annotations
@@ -307,11 +311,12 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     from transformers import PrinterCallback
 
     from trl_ppo_ext import PPOConfig
-    from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer
     from trl_ppo_ext.modeling import SharedActorCritic
 
     common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
     if contender == "upstream":
+        from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer  # TRL 1.0 - 1.12 only
+
         trainer = TRLPPOTrainer(args=TRLPPOConfig(**cfg), model=models.fresh("policy"),
                                 ref_model=models.fresh("policy"), value_model=models.fresh("value"),
                                 reward_model=models.fresh("reward"), **common)
@@ -351,7 +356,19 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
 
 
 # ---------------------------------------------------------------------------- report
-def measure_size(size: str, args) -> tuple[dict[str, list[dict]], str]:
+def available_contenders() -> tuple[tuple[str, ...], str | None]:
+    """The contenders this TRL can run, and why upstream is missing (None when it is not)."""
+    from trl_ppo_ext import _compat
+
+    if _compat.trl_has_ppo():
+        return CONTENDERS, None
+    why = (f"upstream TRL left out: trl=={_compat.installed_trl_version()} has no PPO trainer (TRL "
+           f"{_compat.TRL_WITHOUT_PPO} removed it); install trl<{_compat.TRL_WITHOUT_PPO} to compare with it. "
+           "Ratios below are to 'ours, separate'.")
+    return tuple(c for c in CONTENDERS if c != "upstream"), why
+
+
+def measure_size(size: str, args, contenders=CONTENDERS) -> tuple[dict[str, list[dict]], str]:
     """Every contender ``--repeats`` times, rotating the order each repeat; also returns the
     models' parameter counts, in words."""
     from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words
@@ -363,7 +380,8 @@ def measure_size(size: str, args) -> tuple[dict[str, list[dict]], str]:
     updates = args.updates or DEFAULT_UPDATES[size]
     results = defaultdict(list)
     for r in range(args.repeats):
-        order = CONTENDERS[r % 3:] + CONTENDERS[: r % 3]
+        k = r % len(contenders)
+        order = contenders[k:] + contenders[:k]
         for contender in order:
             s = run_once(contender, tokenizer, dataset, models, updates, args)
             results[contender].append(s)
@@ -379,23 +397,26 @@ def median_of(runs: list[dict], fn) -> float:
 
 
 def print_size_table(size: str, results: dict[str, list[dict]], args, param_counts: str) -> dict[str, float]:
-    """The throughput table and the phase table for one size; returns median episodes/s by contender."""
-    eps = {c: median_of(results[c], lambda s: s["episodes"] / s["seconds"]) for c in CONTENDERS}
-    tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in CONTENDERS}
+    """The throughput table and the phase table for one size; returns median episodes/s by
+    contender. Ratios are to the first contender (upstream, or ours-separate without it)."""
+    contenders = tuple(c for c in CONTENDERS if c in results)
+    ref = contenders[0]
+    eps = {c: median_of(results[c], lambda s: s["episodes"] / s["seconds"]) for c in contenders}
+    tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in contenders}
     print(f"\n== {size}: {param_counts}, B={BATCH}, T={RESPONSE_LENGTH}, "
           f"num_ppo_epochs={args.ppo_epochs}, median of {args.repeats} repeats x "
-          f"{results['upstream'][0]['updates']} timed update(s) ==")
+          f"{results[ref][0]['updates']} timed update(s) ==")
     print(f"{'contender':<18} | {'episodes/s':>10} | {'resp tok/s':>10} | {'s/update':>8} | "
           f"{'mean len':>8} | {'eps ratio':>9} | {'tok ratio':>9} | paired eps ratios")
     print("-" * 110)
-    for c in CONTENDERS:
+    for c in contenders:
         runs = results[c]
         mean_len = sum(s["tokens"] for s in runs) / sum(s["episodes"] for s in runs)
         paired = [o["episodes"] / o["seconds"] / (u["episodes"] / u["seconds"])
-                  for o, u in zip(runs, results["upstream"])]
+                  for o, u in zip(runs, results[ref])]
         print(f"{LABELS[c]:<18} | {eps[c]:>10.3f} | {tps[c]:>10.1f} | "
               f"{median_of(runs, lambda s: s['seconds'] / s['updates']):>8.3f} | {mean_len:>8.1f} | "
-              f"{eps[c] / eps['upstream']:>8.2f}x | {tps[c] / tps['upstream']:>8.2f}x | "
+              f"{eps[c] / eps[ref]:>8.2f}x | {tps[c] / tps[ref]:>8.2f}x | "
               + ", ".join(f"{p:.2f}" for p in paired))
     print_phase_table(results)
     return eps
@@ -409,7 +430,7 @@ def print_phase_table(results: dict[str, list[dict]]) -> None:
     print("\nphase time per update, s (share of the update), median over repeats:")
     header = " | ".join(f"{p:>14}" for p in TOP_PHASES)
     print(f"{'contender':<18} | {header}")
-    for c in CONTENDERS:
+    for c in (c for c in CONTENDERS if c in results):
         runs = results[c]
         cells = []
         for p in TOP_PHASES:
@@ -418,12 +439,12 @@ def print_phase_table(results: dict[str, list[dict]]) -> None:
             cells.append(f"{sec:>7.3f} ({share:>4.0%})")
         print(f"{LABELS[c]:<18} | " + " | ".join(cells))
     print("scoring forwards per update, s:")
-    for c in CONTENDERS:
+    for c in (c for c in CONTENDERS if c in results):
         parts = [f"{SCORE_LABELS[p]} {median_of(results[c], lambda s, p=p: per_update(s, p)):.3f}"
                  for p in SCORE_PARTS if any(p in s["phases"] for s in results[c])]
         print(f"  {LABELS[c]:<18} " + ", ".join(parts))
     print("update parts per update, s (forward+loss+rest = update - the others):")
-    for c in CONTENDERS:
+    for c in (c for c in CONTENDERS if c in results):
         parts = {p: median_of(results[c], lambda s, p=p: per_update(s, p)) for p in UPDATE_PARTS}
         rest = median_of(results[c], lambda s: per_update(s, "update") - sum(per_update(s, p) for p in UPDATE_PARTS))
         print(f"  {LABELS[c]:<18} " + ", ".join(f"{UPDATE_LABELS[p]} {v:.3f}" for p, v in parts.items())
@@ -468,12 +489,18 @@ def main() -> None:
 
     started = time.perf_counter()
     print(describe_machine(args), flush=True)
+    contenders, missing = available_contenders()
+    if missing:
+        print(missing, flush=True)
     ratios = {}
     for size in sizes:
-        results, param_counts = measure_size(size, args)
+        results, param_counts = measure_size(size, args, contenders)
         ratios[size] = print_size_table(size, results, args, param_counts)
     print(f"\ntotal runtime: {time.perf_counter() - started:.0f} s")
     eps = ratios[sizes[-1]] if "100m" not in ratios else ratios["100m"]
+    if missing:
+        print(f"throughput ratio shared/separate: {eps['shared'] / eps['separate']:.2f} (no upstream arm, see above)")
+        return
     print(f"throughput ratio separate/upstream: {eps['separate'] / eps['upstream']:.2f}")
     print(f"throughput ratio shared/upstream: {eps['shared'] / eps['upstream']:.2f}")
 

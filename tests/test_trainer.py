@@ -236,8 +236,11 @@ def test_error_dataset_smaller_than_a_batch(tmp_path):
 
 def test_trl_config_is_accepted(tmp_path):
     """A TRL PPOConfig passed to our trainer gets our fields' defaults."""
-    from trl_ppo_ext._compat import TRLPPOConfig
+    from trl_ppo_ext._compat import upstream_ppo_config
 
+    TRLPPOConfig = upstream_ppo_config()
+    if TRLPPOConfig is None:
+        pytest.skip("the installed TRL has no PPOConfig (1.13 removed PPO)")
     trl_args = TRLPPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], total_episodes=4,
                             per_device_train_batch_size=4, num_sample_generations=0)
     tok = build_tiny_tokenizer()
@@ -246,6 +249,14 @@ def test_trl_config_is_accepted(tmp_path):
                          train_dataset=prompt_dataset(tok), value_model=value)
     assert isinstance(trainer.args, PPOConfig)
     assert trainer.args.entropy_coef == 0.0 and trainer.args.whiten_advantages is True
+
+
+def test_error_args_of_another_type(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(TypeError, match=r"`args` must be a trl_ppo_ext.PPOConfig.*got TrainingArguments\. Build it"):
+        PPOTrainer(args=TrainingArguments(output_dir=str(tmp_path)), processing_class=None, model=None,
+                   ref_model=None, reward_model=None, train_dataset=None)
 
 
 def test_error_empty_prompt(tmp_path):

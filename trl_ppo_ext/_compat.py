@@ -1,21 +1,36 @@
-"""Where the installed TRL keeps its PPO trainer, and whether we support that TRL.
+"""Where the installed TRL keeps its PPO trainer, which base our classes stand on, and
+whether we support that TRL.
 
 TRL's PPOv2-style trainer moved from ``trl.PPOTrainer`` (0.12 - 0.28) to
 ``trl.experimental.ppo.PPOTrainer`` (0.26 - 1.12) and was removed in 1.13. We support
-``TRL_MIN <= trl < TRL_MAX``; the README explains the floor. Everything else in the package
-imports TRL through this module, so a future move is a one-file change.
+``TRL_MIN <= trl < TRL_MAX``:
+
+- where the installed TRL has PPO (1.0 - 1.12) our ``PPOTrainer`` / ``PPOConfig`` subclass
+  TRL's, so ``isinstance`` checks against TRL's classes hold;
+- where it has none (1.13 on), they stand on ``trl_ppo_ext._base``: the same fields and
+  ``save_model`` on TRL's base trainer and base config.
+
+``TRL_PPO_EXT_OWN_BASE=1`` in the environment (read once, at import) forces our own base on
+a TRL that has PPO; the parity tests use it to run both bases on one TRL. Everything else in
+the package imports TRL through this module, so a future move is a one-file change.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
 
 TRL_MIN = "1.0.0"
-TRL_MAX = "1.13.0"  # exclusive: trl 1.13 removed the PPO trainer
+TRL_MAX = "2.0.0"  # exclusive: the next major release may break the base classes we build on
+TRL_WITHOUT_PPO = "1.13.0"  # the first TRL without a PPO trainer: from here on, our own base
+TRL_NEWEST_VERIFIED = "1.16.0"  # the newest TRL the test suite has run against (README, CI)
+
+OWN_BASE_ENV = "TRL_PPO_EXT_OWN_BASE"
+_OWN_BASE_FORCED = os.environ.get(OWN_BASE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 # (module, trainer class, config class), first match wins.
 _LOCATIONS = (
@@ -39,14 +54,15 @@ def check_trl_version(installed: str | None = None) -> str:
 
     >>> check_trl_version("1.12.0")
     '1.12.0'
+    >>> check_trl_version("1.16.0")
+    '1.16.0'
     """
     installed = installed or installed_trl_version()
     v = Version(installed)
     if not (Version(TRL_MIN) <= v < Version(TRL_MAX)):
         raise ImportError(
-            f"trl-ppo-ext supports trl>={TRL_MIN},<{TRL_MAX} but trl=={installed} is installed"
-            + (" (trl 1.13 removed the PPO trainer)" if v >= Version(TRL_MAX) else "")
-            + f". Install a supported version: pip install 'trl>={TRL_MIN},<{TRL_MAX}'."
+            f"trl-ppo-ext supports trl>={TRL_MIN},<{TRL_MAX} but trl=={installed} is installed. "
+            f"Install a supported version: pip install 'trl>={TRL_MIN},<{TRL_MAX}'."
         )
     return installed
 
@@ -58,8 +74,9 @@ def _import_quietly(name: str):
         return importlib.import_module(name)
 
 
-def load_trl_ppo():
-    """Return ``(TRLPPOTrainer, TRLPPOConfig, module)`` from wherever TRL keeps them."""
+def find_trl_ppo():
+    """``(TRL's PPOTrainer, TRL's PPOConfig, module)``, or None where the installed TRL has
+    no PPO trainer (1.13 on)."""
     check_trl_version()
     for module_name, trainer_name, config_name in _LOCATIONS:
         try:
@@ -69,27 +86,79 @@ def load_trl_ppo():
         trainer, config = getattr(module, trainer_name, None), getattr(module, config_name, None)
         if trainer is not None and config is not None:
             return trainer, config, module
-    raise ImportError(
-        f"trl=={installed_trl_version()} is in the supported range but its PPO trainer was not "
-        f"found in any of {[m for m, _, _ in _LOCATIONS]}. Please report this."
-    )
+    return None
+
+
+def load_trl_ppo():
+    """Return ``(TRLPPOTrainer, TRLPPOConfig, module)`` from wherever TRL keeps them; raise
+    ImportError where the installed TRL has none (for code that compares against TRL's own
+    trainer: benchmarks, parity tests)."""
+    found = find_trl_ppo()
+    if found is None:
+        raise ImportError(
+            f"trl=={installed_trl_version()} has no PPO trainer (TRL {TRL_WITHOUT_PPO} removed it; none of "
+            f"{[m for m, _, _ in _LOCATIONS]} has one). trl_ppo_ext.PPOTrainer works without it; TRL's own "
+            f"trainer needs pip install 'trl>={TRL_MIN},<{TRL_WITHOUT_PPO}'."
+        )
+    return found
+
+
+def trl_has_ppo() -> bool:
+    """Whether the installed TRL ships a PPO trainer (1.0 - 1.12)."""
+    return _cached("trl_ppo", find_trl_ppo) is not None
+
+
+def uses_own_base() -> bool:
+    """Whether our ``PPOTrainer`` / ``PPOConfig`` stand on ``trl_ppo_ext._base`` (TRL has no
+    PPO, or ``TRL_PPO_EXT_OWN_BASE=1`` was set) rather than on TRL's PPO classes."""
+    return _OWN_BASE_FORCED or not trl_has_ppo()
+
+
+def base_description() -> str:
+    """One line for logs and the run manifest: which base our classes stand on."""
+    if not uses_own_base():
+        return f"TRL's PPOTrainer/PPOConfig ({_cached('trl_ppo', find_trl_ppo)[2].__name__})"
+    from . import _base
+
+    roots = f"{_base.config_root().__name__}/{_base.trainer_root().__name__}"
+    why = f"forced by {OWN_BASE_ENV}" if _OWN_BASE_FORCED and trl_has_ppo() else "TRL has no PPO trainer"
+    return f"trl_ppo_ext._base on {roots} ({why})"
+
+
+def upstream_ppo_config():
+    """TRL's own ``PPOConfig`` class, or None where TRL has none (for accepting its objects)."""
+    found = _cached("trl_ppo", find_trl_ppo)
+    return None if found is None else found[1]
 
 
 _LOADED: dict = {}
 
 
+def _cached(key: str, make):
+    if key not in _LOADED:
+        _LOADED[key] = make()
+    return _LOADED[key]
+
+
+def _resolve(name: str):
+    if name in ("PPOTrainerBase", "PPOConfigBase"):
+        if uses_own_base():
+            from . import _base
+
+            return getattr(_base, name)
+        trainer, config, _ = _cached("trl_ppo", find_trl_ppo)
+        return trainer if name == "PPOTrainerBase" else config
+    trainer, config, module = load_trl_ppo()
+    return {"TRLPPOTrainer": trainer, "TRLPPOConfig": config, "trl_ppo_trainer_module": module}[name]
+
+
 def __getattr__(name):
-    # TRL's classes are looked up on first use: importing TRL takes seconds, and
-    # `trl_ppo_ext.functional` or `trl_ppo_ext.tiny` alone do not need it.
-    if name in ("TRLPPOTrainer", "TRLPPOConfig", "trl_ppo_trainer_module"):
-        if not _LOADED:
-            trainer, config, _ = load_trl_ppo()
-            _LOADED.update(
-                TRLPPOTrainer=trainer,
-                TRLPPOConfig=config,
-                trl_ppo_trainer_module=importlib.import_module(trainer.__module__),
-            )
-        return _LOADED[name]
+    # Looked up on first use: importing TRL takes seconds, and `trl_ppo_ext.functional` or
+    # `trl_ppo_ext.tiny` alone do not need it.
+    #   PPOTrainerBase / PPOConfigBase: what our classes subclass (TRL's, or our own base);
+    #   TRLPPOTrainer / TRLPPOConfig: TRL's own classes (ImportError where TRL has none).
+    if name in ("PPOTrainerBase", "PPOConfigBase", "TRLPPOTrainer", "TRLPPOConfig", "trl_ppo_trainer_module"):
+        return _cached(name, lambda: _resolve(name))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -101,8 +170,13 @@ def unwrap_model_for_generation(*args, **kwargs):
 
 
 def prepare_deepspeed(model, accelerator):
-    """TRL's helper that wraps a frozen model in a DeepSpeed inference engine."""
-    fn = getattr(__getattr__("trl_ppo_trainer_module"), "prepare_deepspeed", None)
-    if fn is None:  # pragma: no cover - location differs across 1.x
-        from trl.trainer.utils import prepare_deepspeed as fn
-    return fn(model, accelerator)
+    """TRL's helper that wraps a frozen model in a DeepSpeed inference engine.
+
+    Always ``trl.models.utils.prepare_deepspeed(model, accelerator)``, which has that
+    signature in every TRL 1.x. (The one TRL 1.0's PPO module imports is
+    ``trl.trainer.utils.prepare_deepspeed(model, per_device_train_batch_size, fp16, bf16)``:
+    looked up through the PPO module, ZeRO-1/2 got the accelerator as a batch size.)
+    """
+    from trl.models.utils import prepare_deepspeed as _prepare
+
+    return _prepare(model, accelerator)

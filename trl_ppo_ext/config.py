@@ -1,6 +1,7 @@
 """``PPOConfig``: TRL's PPO config plus the fields our trainer adds.
 
-Defaults equal TRL's, so a script that only swaps the import behaves the same apart from
+Its base is TRL's ``PPOConfig`` where the installed TRL has one (1.0 - 1.12), else
+``trl_ppo_ext._base.PPOConfigBase`` (the same fields on TRL's base config). Defaults equal TRL's, so a script that only swaps the import behaves the same apart from
 the fixes listed in the README. Readable by ``HfArgumentParser`` like every TRL config.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from ._compat import TRLPPOConfig
+from ._compat import PPOConfigBase
 from .functional import KL_ESTIMATORS
 from .guards import GuardSettings
 
@@ -21,7 +22,7 @@ def _bf16_available() -> bool:
 
 
 @dataclass
-class PPOConfig(TRLPPOConfig, GuardSettings):
+class PPOConfig(PPOConfigBase, GuardSettings):
     r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
     guard-rail thresholds of [`trl_ppo_ext.guards.GuardSettings`] (``nonfinite_halt_after``,
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),

@@ -1,5 +1,8 @@
 """``PPOTrainer``: TRL's PPO trainer with explicit token-level math and ``train()`` in phases.
 
+Its base is TRL's ``PPOTrainer`` where the installed TRL has one (1.0 - 1.12), else
+``trl_ppo_ext._base.PPOTrainerBase`` (see ``_compat``); ``__init__`` never runs either.
+
 Same constructor as TRL's trainer. ``train()`` reads as
 
     for each update:  rollout -> score -> advantages -> update -> log
@@ -32,7 +35,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 
 from . import checkpoint as ckpt
 from . import functional as F
-from ._compat import TRLPPOConfig, TRLPPOTrainer, prepare_deepspeed, unwrap_model_for_generation
+from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
 from .batching import BatchPlan
 from .checkpoint import clean_temp_dirs
 from .config import PPOConfig
@@ -152,11 +155,16 @@ def _strip_fp32_output_wrapper(model: nn.Module) -> None:
 
 
 def _as_our_config(args) -> PPOConfig:
-    """Accept TRL's own PPOConfig too: copy its values and add our fields' defaults."""
+    """Accept TRL's own PPOConfig too (where TRL has one): copy its values and add our fields' defaults."""
     if isinstance(args, PPOConfig):
         return args
-    if not isinstance(args, TRLPPOConfig):
-        raise TypeError(f"`args` must be a trl_ppo_ext.PPOConfig, got {type(args).__name__}.")
+    upstream = upstream_ppo_config()
+    if upstream is None or not isinstance(args, upstream):
+        accepted = "trl_ppo_ext.PPOConfig" + ("" if upstream is None else " or TRL's PPOConfig")
+        raise TypeError(
+            f"`args` must be a {accepted}, got {type(args).__name__}. Build it with "
+            "`trl_ppo_ext.PPOConfig(output_dir=..., ...)` (it takes every TRL PPOConfig field)."
+        )
     ours = object.__new__(PPOConfig)
     ours.__dict__.update(args.__dict__)
     for f in fields(PPOConfig):
@@ -166,7 +174,7 @@ def _as_our_config(args) -> PPOConfig:
     return ours
 
 
-class PPOTrainer(CheckpointMixin, TRLPPOTrainer):
+class PPOTrainer(CheckpointMixin, PPOTrainerBase):
     """Drop-in replacement for TRL's ``PPOTrainer`` with correct token-level PPO math.
 
     Args are TRL's: ``args`` (a ``PPOConfig``), ``processing_class`` (tokenizer with a pad
