@@ -10,8 +10,8 @@ precision, LoRA, offload, checkpointing). :func:`estimate` returns the bytes ali
 worst moment of each phase of one PPO update, by component:
 
 * ``generation``: resident weights + optimizer state + the KV cache of one
-  ``local_rollout_forward_batch_size`` chunk at ``P + T`` tokens (+ one layer's copy, which
-  ``DynamicCache`` makes when it concatenates), or the prefill's working set if larger;
+  ``local_rollout_forward_batch_size`` chunk at ``P + T`` tokens and the last decoding
+  step's transients, or the prefill's working set if larger;
 * ``scoring``: resident weights + optimizer state + the largest of the three no-grad
   forwards (policy+value, reference, reward model) over one chunk, with an offloaded
   frozen model's weights while it is on the device;
@@ -58,8 +58,9 @@ What is assumed (the package after issue 14; say so when quoting a figure):
   ``logprobs_from_logits`` upcasts bf16 logits to fp32 row by row and autograd keeps those
   rows (``b * T * V * 4``). No extra fp32 copy of the logits (accelerate's
   ``convert_outputs_to_fp32``; issue 14, point 3).
-* generation: 6 fp32 ``(b, V)`` tensors per decoding step (logits, ``generate``'s fp32 copy,
-  temperature-scaled scores, probabilities ...; measured).
+* generation, last decoding step (measured): the larger of half a layer's cache (the
+  concatenation copies keys, then values) + 3 fp32 ``(b, V)`` tensors (the previous step's
+  logits, ``generate``'s fp32 copy, scaled scores) and 5 such tensors while sampling.
 * not counted: the rollout's own ``(B, T)`` tensors, tokenizer and Python state, kernels'
   scratch other than ``logsumexp``'s, allocator rounding and fragmentation (see
   ``Estimate.fits``), the CUDA context.
@@ -375,7 +376,7 @@ def forward_activation_bytes(model: ModelShape, run: PPORun, batch: int, *, head
     """Bytes a trained model keeps for backward over ``batch`` sequences (logits excluded).
 
     ``N`` layers (:func:`layer_activation_bytes`), or with checkpointing each layer's input
-    in the residual dtype (bf16 for a bf16/nf4 base, fp32 otherwise); + the final norm's
+    in the residual stream's dtype (bf16 for a LoRA base computing in bf16, fp32 otherwise); + the final norm's
     fp32 input (``4H`` per token; full training also keeps its output) + the value head's
     fp32 input (``b (T+1) H * 4``; ``head="score"``: every position). The layer that
     checkpointing recomputes during backward is :func:`layer_activation_bytes` itself; it
@@ -384,7 +385,7 @@ def forward_activation_bytes(model: ModelShape, run: PPORun, batch: int, *, head
     H, L, T = model.hidden_size, run.sequence_length, run.response_length
     tokens = batch * L
     if run.gradient_checkpointing:
-        residual = 2 if run.shared and run.base_dtype != "fp32" else 4
+        residual = 2 if run.shared and run.compute_dtype == "bf16" else 4  # fp32 stream in full autocast
         layers = model.num_layers * tokens * H * residual
     else:
         layers = model.num_layers * layer_activation_bytes(model, run, batch)
@@ -417,8 +418,14 @@ def update_logits_bytes(model: ModelShape, run: PPORun, batch: int) -> int:
     return max(forward, backward)
 
 
+def dequantized_weight_bytes(model: ModelShape, run: PPORun) -> int:
+    """The largest linear weight of a layer in the compute dtype: bitsandbytes dequantizes an
+    nf4 weight before each multi-token matmul (forward and backward) and frees it after."""
+    return max(i * o for i, o in model.linear_shapes().values()) * DTYPE_BYTES[run.compute_dtype]
+
+
 def inference_forward_bytes(model: ModelShape, run: PPORun, batch: int, length: int, *,
-                            logit_positions: int = 0) -> int:
+                            logit_positions: int = 0, quantized: bool = False) -> int:
     """Transient bytes of one no-grad forward over ``batch`` sequences of ``length`` tokens.
 
     The larger of a layer's working set (residual, its fp32 norm copy, the normed input,
@@ -426,12 +433,16 @@ def inference_forward_bytes(model: ModelShape, run: PPORun, batch: int, length: 
     with ``logit_positions = k > 0`` (scoring: ``T + 1``), the logits: the LM head's
     ``(b, k, V)`` output, its temperature-divided ``(b, k - 1, V)`` copy and fp32
     ``(k - 1, V)`` rows of ``logprobs_from_logits`` (``logsumexp``'s two scratch rows, and
-    the upcast of a bf16 row), next to the final hidden state (``t c H``).
+    the upcast of a bf16 row), next to the final hidden state (``t c H``). ``quantized``:
+    nf4 weights, whose dequantized copy (:func:`dequantized_weight_bytes`) joins the
+    working set.
     """
     H, I, V = model.hidden_size, model.intermediate_size, model.vocab_size
     c = DTYPE_BYTES[run.compute_dtype]
     tokens = batch * length
     working = tokens * (2 * c * H + 4 * H + 3 * c * I) + batch * length * length * c
+    if quantized:
+        working += dequantized_weight_bytes(model, run)
     if not logit_positions:
         return working
     k = logit_positions
@@ -522,17 +533,22 @@ def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> E
         resident.update(moments)
 
     kv_end = kv_cache_bytes(model, run, b_r, P + T)
-    prefill = kv_cache_bytes(model, run, b_r, P) + inference_forward_bytes(model, run, b_r, P)
-    # Each decoding step: the (b, V) logits, generate's fp32 copy, the temperature-scaled scores,
-    # the probabilities, ... (6 fp32 (b, V) tensors measured); DynamicCache's cat holds one layer twice.
-    sampling = 6 * b_r * model.vocab_size * 4
-    generation = {**resident, "KV cache (+ prefill or cat copy)": max(kv_end + kv_end // model.num_layers, prefill),
-                  "sampling logits": sampling}
+    nf4 = run.base_dtype == "nf4"  # the frozen models (and the shared base) are 4-bit
+    prefill = kv_cache_bytes(model, run, b_r, P) + inference_forward_bytes(model, run, b_r, P,
+                                                                          quantized=nf4 and run.shared)
+    # The last decoding step (measured): during its forward, a layer's keys (or values) exist twice
+    # while DynamicCache concatenates, next to the previous step's logits, fp32 copy and scaled
+    # scores (3 (b, V)); after it, 5 such (b, V) tensors of sampling. The prefill, if larger.
+    step = max(kv_end // (2 * model.num_layers) + 3 * b_r * model.vocab_size * 4, 5 * b_r * model.vocab_size * 4)
+    generation = {**resident, **max({"KV cache": kv_end, "decoding step (cache growth, sampling)": step},
+                                    {"KV cache + prefill": prefill}, key=lambda parts: sum(parts.values()))}
 
     forwards = {  # each no-grad forward of scoring, with the weights it brings in
-        "policy + value": {"forward: policy + value": inference_forward_bytes(model, run, b_r, P + T, logit_positions=T + 1)},
-        "reference": {"forward: reference": inference_forward_bytes(model, run, b_r, P + T, logit_positions=T + 1)},
-        "reward model": {"forward: reward model": inference_forward_bytes(reward, run, b_r, P + T)},
+        "policy + value": {"forward: policy + value": inference_forward_bytes(
+            model, run, b_r, P + T, logit_positions=T + 1, quantized=nf4 and run.shared)},
+        "reference": {"forward: reference": inference_forward_bytes(
+            model, run, b_r, P + T, logit_positions=T + 1, quantized=nf4)},
+        "reward model": {"forward: reward model": inference_forward_bytes(reward, run, b_r, P + T, quantized=nf4)},
     }
     if run.offload_ref_model:
         forwards["reference"]["weights: reference (moved in)"] = reference
@@ -548,9 +564,12 @@ def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> E
     if run.compute_dtype == "bf16":  # autocast keeps a bf16 copy of each trainable fp32 weight for backward
         update["autocast weight copies (bf16)"] = 2 * trainable
     logits = update_logits_bytes(model, run, b_u)
-    recomputed = layer_activation_bytes(model, run, b_u) if run.gradient_checkpointing else 0
+    # Backward reaches the layers after the logits: a recomputed layer (checkpointing) and the
+    # dequantized nf4 weight of backward's matmuls compete with the logits, not add to them.
+    layer_work = layer_activation_bytes(model, run, b_u) if run.gradient_checkpointing else 0
+    layer_work += dequantized_weight_bytes(model, run) if nf4 and run.shared else 0
     backward_start = {"activations": activations, **(
-        {"logits": logits} if logits >= recomputed else {"recomputed layer (backward)": recomputed})}
+        {"logits": logits} if logits >= layer_work else {"recomputed layer, dequantized weight": layer_work})}
     if run.accumulates:  # earlier micro-batches' gradients wait for the step
         backward_start["gradients (fp32)"] = 4 * trainable
     step = {"gradients (fp32)": 4 * trainable, **(moments if first_update else {})}  # activations freed
