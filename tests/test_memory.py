@@ -289,6 +289,29 @@ def test_checkpointing_keeps_only_each_layers_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_no_grad_forward_stays_within_the_working_set(dtype):
+    """A reward-model forward (scoring) over a padded batch: the model's working set within 5%."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=100, num_labels=1, pad_token_id=0)
+    model = LlamaForSequenceClassification(config).eval().to(dtype)
+    b, L = 8, 128
+    ids = torch.randint(1, 100, (b, L))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad(), M.live_tensor_bytes() as live:
+        live.count_existing()
+        before = live.current
+        model(input_ids=ids, attention_mask=mask)
+        measured = live.peak - before
+    compute = "fp32" if dtype == torch.float32 else "bf16"
+    run = PPORun(base_dtype=compute, compute_dtype=compute, prompt_length=L - 1, response_length=1)
+    assert M.inference_forward_bytes(M.shape_from_config(config), run, b, L) == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_update_logits_match_a_measured_loss_and_backward(dtype):
     """The trainer's logits path (response_logits -> logprobs_from_logits, no-grad entropy,
     backward) on random hidden states; the model's logit bytes within 1%."""

@@ -428,8 +428,8 @@ def inference_forward_bytes(model: ModelShape, run: PPORun, batch: int, length: 
                             logit_positions: int = 0, quantized: bool = False) -> int:
     """Transient bytes of one no-grad forward over ``batch`` sequences of ``length`` tokens.
 
-    The larger of a layer's working set (residual, its fp32 norm copy, the normed input,
-    SwiGLU's gate, up and product: ``t (2cH + 4H + 3cI)``, + SDPA's mask ``b length^2 c``) and,
+    The larger of a layer's working set (measured: ``t c (8H + 3I)``; SwiGLU's ``silu(gate)``,
+    up and their product are the ``3I``; + SDPA's float mask ``b length^2 c``) and,
     with ``logit_positions = k > 0`` (scoring: ``T + 1``), the logits: the LM head's
     ``(b, k, V)`` output, its temperature-divided ``(b, k - 1, V)`` copy and fp32
     ``(k - 1, V)`` rows of ``logprobs_from_logits`` (``logsumexp``'s two scratch rows, and
@@ -440,7 +440,7 @@ def inference_forward_bytes(model: ModelShape, run: PPORun, batch: int, length: 
     H, I, V = model.hidden_size, model.intermediate_size, model.vocab_size
     c = DTYPE_BYTES[run.compute_dtype]
     tokens = batch * length
-    working = tokens * (2 * c * H + 4 * H + 3 * c * I) + batch * length * length * c
+    working = tokens * c * (8 * H + 3 * I) + batch * length * length * c
     if quantized:
         working += dequantized_weight_bytes(model, run)
     if not logit_positions:
@@ -534,8 +534,9 @@ def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> E
 
     kv_end = kv_cache_bytes(model, run, b_r, P + T)
     nf4 = run.base_dtype == "nf4"  # the frozen models (and the shared base) are 4-bit
-    prefill = kv_cache_bytes(model, run, b_r, P) + inference_forward_bytes(model, run, b_r, P,
-                                                                          quantized=nf4 and run.shared)
+    # The prefill: the cache of P tokens + a forward's working set, whose k and v are the cache's.
+    prefill = (kv_cache_bytes(model, run, b_r, P) + inference_forward_bytes(model, run, b_r, P, quantized=nf4 and run.shared)
+               - kv_cache_bytes(model, run, b_r, P) // model.num_layers)
     # The last decoding step (measured): during its forward, a layer's keys (or values) exist twice
     # while DynamicCache concatenates, next to the previous step's logits, fp32 copy and scaled
     # scores (3 (b, V)); after it, 5 such (b, V) tensors of sampling. The prefill, if larger.
