@@ -370,7 +370,8 @@ def build_checkpoints(args, directory: Path) -> dict[str, int]:
 def run_child(args, setup: str, checkpoints: Path) -> dict:
     """Run one set-up in a fresh interpreter and return its result line as a dict."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--setup", setup,
-               "--checkpoints", str(checkpoints), "--device", args.device, "--batch", str(args.batch), "--prompt-length", str(args.prompt_length),
+               "--checkpoints", str(checkpoints), "--device", args.device, "--batch", str(args.batch),
+               "--prompt-length", str(args.prompt_length),
                "--response-length", str(args.response_length)]
     for flag in ("bf16", "gradient_checkpointing", "no_tensor_tracking"):
         if getattr(args, flag):

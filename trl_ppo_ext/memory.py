@@ -376,8 +376,8 @@ def forward_activation_bytes(model: ModelShape, run: PPORun, batch: int, *, head
     """Bytes a trained model keeps for backward over ``batch`` sequences (logits excluded).
 
     ``N`` layers (:func:`layer_activation_bytes`), or with checkpointing each layer's input
-    in the residual stream's dtype (bf16 for a LoRA base computing in bf16, fp32 otherwise); + the final norm's
-    fp32 input (``4H`` per token; full training also keeps its output) + the value head's
+    in the residual stream's dtype (bf16 for a LoRA base computing in bf16, fp32 otherwise);
+    + the final norm's fp32 input (``4H`` per token; full training also keeps its output) + the value head's
     fp32 input (``b (T+1) H * 4``; ``head="score"``: every position). The layer that
     checkpointing recomputes during backward is :func:`layer_activation_bytes` itself; it
     comes after the logits' backward, so it competes with the logits, not with them added.
@@ -506,6 +506,66 @@ def _trained_parts(model: ModelShape, run: PPORun) -> tuple[int, dict[str, int],
     return trainable, weights, reference
 
 
+def _generation(model: ModelShape, run: PPORun) -> dict[str, int]:
+    """The transients of sampling one chunk: the worse of the last decoding step and the prefill."""
+    b_r, P, T = run.forward_batch, run.prompt_length, run.response_length
+    kv_end, kv_prompt = kv_cache_bytes(model, run, b_r, P + T), kv_cache_bytes(model, run, b_r, P)
+    # The last decoding step (measured): during its forward, a layer's keys (or values) exist twice
+    # while DynamicCache concatenates, next to the previous step's logits, fp32 copy and scaled
+    # scores (3 (b, V)); after it, 5 such (b, V) tensors of sampling.
+    sampling = b_r * model.vocab_size * 4
+    decoding = {"KV cache": kv_end,
+                "decoding step (cache growth, sampling)": max(kv_end // (2 * model.num_layers) + 3 * sampling,
+                                                              5 * sampling)}
+    # The prefill: the cache of P tokens + a forward's working set, whose k and v are the cache's.
+    quantized = run.base_dtype == "nf4" and run.shared
+    prefill = {"KV cache + prefill": kv_prompt - kv_prompt // model.num_layers
+               + inference_forward_bytes(model, run, b_r, P, quantized=quantized)}
+    return max(decoding, prefill, key=lambda parts: sum(parts.values()))
+
+
+def _scoring(model: ModelShape, reward: ModelShape, run: PPORun, reference: int, reward_weights: int) -> dict[str, int]:
+    """The largest no-grad forward of scoring, with the offloaded weights it brings in."""
+    b_r, L, T = run.forward_batch, run.sequence_length, run.response_length
+    nf4 = run.base_dtype == "nf4"  # the frozen models (and the shared base) are 4-bit
+    forwards = {
+        "policy + value": {"forward: policy + value": inference_forward_bytes(
+            model, run, b_r, L, logit_positions=T + 1, quantized=nf4 and run.shared)},
+        "reference": {"forward: reference": inference_forward_bytes(
+            model, run, b_r, L, logit_positions=T + 1, quantized=nf4)},
+        "reward model": {"forward: reward model": inference_forward_bytes(reward, run, b_r, L, quantized=nf4)},
+    }
+    if run.offload_ref_model:
+        forwards["reference"]["weights: reference (moved in)"] = reference
+    if run.offload_reward_model:
+        forwards["reward model"]["weights: reward model (moved in)"] = reward_weights
+    return max(forwards.values(), key=lambda parts: sum(parts.values()))
+
+
+def _update(model: ModelShape, run: PPORun, trainable: int, moments: dict[str, int]) -> dict[str, int]:
+    """One micro-batch's forward/backward and the optimizer step, beyond the resident bytes:
+    the worse of backward's start and the step (``moments``: AdamW's state when it is created
+    at this step, else empty)."""
+    b_u = run.per_device_train_batch_size
+    activations = forward_activation_bytes(model, run, b_u)
+    if not run.shared:  # the value model's forward is alive at the same time
+        activations += forward_activation_bytes(model, run, b_u, head="score")
+    extra = {}
+    if run.compute_dtype == "bf16":  # autocast keeps a bf16 copy of each trainable fp32 weight for backward
+        extra["autocast weight copies (bf16)"] = 2 * trainable
+    logits = update_logits_bytes(model, run, b_u)
+    # Backward reaches the layers after the logits: a recomputed layer (checkpointing) and the
+    # dequantized nf4 weight of backward's matmuls compete with the logits, not add to them.
+    layer_work = layer_activation_bytes(model, run, b_u) if run.gradient_checkpointing else 0
+    layer_work += dequantized_weight_bytes(model, run) if run.base_dtype == "nf4" and run.shared else 0
+    backward_start = {"activations": activations, **(
+        {"logits": logits} if logits >= layer_work else {"recomputed layer, dequantized weight": layer_work})}
+    if run.accumulates:  # earlier micro-batches' gradients wait for the step
+        backward_start["gradients (fp32)"] = 4 * trainable
+    optimizer_step = {"gradients (fp32)": 4 * trainable, **moments}  # backward has freed the activations
+    return {**extra, **max(backward_start, optimizer_step, key=lambda parts: sum(parts.values()))}
+
+
 def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> Estimate:
     """Expected bytes per phase of one PPO update of ``model`` under ``run``.
 
@@ -519,11 +579,10 @@ def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> E
     Example (Llama-2-7B shape, QLoRA, the default run)::
 
         >>> e = estimate(PRESETS["llama-7b"], PPORun())
-        >>> e.peak_phase, round(e.peak / GIB, 1) > 4
-        ('update', True)
+        >>> e.peak_phase, e.fits(24), e.fits(16)
+        ('update', True, False)
     """
     reward = run.reward_model or model
-    b_r, b_u, P, T = run.forward_batch, run.per_device_train_batch_size, run.prompt_length, run.response_length
     trainable, resident, reference = _trained_parts(model, run)
     reward_weights = weight_bytes(reward, run.base_dtype, run.compute_dtype, head="score")
     if not run.offload_reward_model:
@@ -531,51 +590,12 @@ def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> E
     moments = {"optimizer (AdamW m, v; fp32)": 8 * trainable}
     if not first_update:
         resident.update(moments)
-
-    kv_end = kv_cache_bytes(model, run, b_r, P + T)
-    nf4 = run.base_dtype == "nf4"  # the frozen models (and the shared base) are 4-bit
-    # The prefill: the cache of P tokens + a forward's working set, whose k and v are the cache's.
-    prefill = (kv_cache_bytes(model, run, b_r, P) + inference_forward_bytes(model, run, b_r, P, quantized=nf4 and run.shared)
-               - kv_cache_bytes(model, run, b_r, P) // model.num_layers)
-    # The last decoding step (measured): during its forward, a layer's keys (or values) exist twice
-    # while DynamicCache concatenates, next to the previous step's logits, fp32 copy and scaled
-    # scores (3 (b, V)); after it, 5 such (b, V) tensors of sampling. The prefill, if larger.
-    step = max(kv_end // (2 * model.num_layers) + 3 * b_r * model.vocab_size * 4, 5 * b_r * model.vocab_size * 4)
-    generation = {**resident, **max({"KV cache": kv_end, "decoding step (cache growth, sampling)": step},
-                                    {"KV cache + prefill": prefill}, key=lambda parts: sum(parts.values()))}
-
-    forwards = {  # each no-grad forward of scoring, with the weights it brings in
-        "policy + value": {"forward: policy + value": inference_forward_bytes(
-            model, run, b_r, P + T, logit_positions=T + 1, quantized=nf4 and run.shared)},
-        "reference": {"forward: reference": inference_forward_bytes(
-            model, run, b_r, P + T, logit_positions=T + 1, quantized=nf4)},
-        "reward model": {"forward: reward model": inference_forward_bytes(reward, run, b_r, P + T, quantized=nf4)},
+    phases = {
+        "generation": {**resident, **_generation(model, run)},
+        "scoring": {**resident, **_scoring(model, reward, run, reference, reward_weights)},
+        "update": {**resident, **_update(model, run, trainable, moments if first_update else {})},
     }
-    if run.offload_ref_model:
-        forwards["reference"]["weights: reference (moved in)"] = reference
-    if run.offload_reward_model:
-        forwards["reward model"]["weights: reward model (moved in)"] = reward_weights
-    worst = max(forwards.values(), key=lambda parts: sum(parts.values()))
-    scoring = {**resident, **worst}
-
-    activations = forward_activation_bytes(model, run, b_u)
-    if not run.shared:  # the value model's forward is alive at the same time
-        activations += forward_activation_bytes(model, run, b_u, head="score")
-    update = dict(resident)
-    if run.compute_dtype == "bf16":  # autocast keeps a bf16 copy of each trainable fp32 weight for backward
-        update["autocast weight copies (bf16)"] = 2 * trainable
-    logits = update_logits_bytes(model, run, b_u)
-    # Backward reaches the layers after the logits: a recomputed layer (checkpointing) and the
-    # dequantized nf4 weight of backward's matmuls compete with the logits, not add to them.
-    layer_work = layer_activation_bytes(model, run, b_u) if run.gradient_checkpointing else 0
-    layer_work += dequantized_weight_bytes(model, run) if nf4 and run.shared else 0
-    backward_start = {"activations": activations, **(
-        {"logits": logits} if logits >= layer_work else {"recomputed layer, dequantized weight": layer_work})}
-    if run.accumulates:  # earlier micro-batches' gradients wait for the step
-        backward_start["gradients (fp32)"] = 4 * trainable
-    step = {"gradients (fp32)": 4 * trainable, **(moments if first_update else {})}  # activations freed
-    update.update(max(backward_start, step, key=lambda parts: sum(parts.values())))
-    return Estimate(model, run, {"generation": generation, "scoring": scoring, "update": update}, trainable)
+    return Estimate(model, run, phases, trainable)
 
 
 # ---------------------------------------------------------------------- presets and configs
@@ -764,7 +784,8 @@ def fits_table_runs(base: PPORun) -> dict[str, PPORun]:
 
 def format_fits_table(base: PPORun, cards: list[float], overhead_gib: float, slack: float) -> str:
     """A markdown table: required GiB and fit per card, for each preset and set-up."""
-    header = "| policy (= RM shape) | set-up | peak phase | needs GiB | " + " | ".join(f"{c:g} GB" for c in cards) + " |"
+    cells = " | ".join(f"{c:g} GB" for c in cards)
+    header = f"| policy (= RM shape) | set-up | peak phase | needs GiB | {cells} |"
     lines = [header, "|" + "---|" * (4 + len(cards))]
     for key in FITS_TABLE_MODELS:
         model = PRESETS[key]
