@@ -1,7 +1,7 @@
 """PPO update throughput: TRL's own trainer vs ours (separate models, shared LoRA actor-critic).
 
     python benchmarks/throughput.py [--sizes tiny,100m] [--repeats 3] [--updates N]
-        [--ppo-epochs 1] [--threads 1]
+        [--ppo-epochs 1] [--threads 1] [--device cpu|cuda] [--bf16]
 
 Three contenders, same random Llama-shaped models (tiny: hidden 32, 2 layers, 46-token
 vocabulary; 100m: hidden 768, 12 layers, 12 heads, intermediate 2048, 8000-token
@@ -9,7 +9,8 @@ vocabulary, 97.2M parameters per policy, 91.1M per value/reward model), same pro
 (64 prompts of 8-16 random words), seeds and PPO settings: B=4 per update,
 response_length=32, stop_token="eos", no missing-EOS penalty, num_mini_batches=1,
 num_ppo_epochs=1 (``--ppo-epochs``; TRL's default is 4), TRL's other defaults (lr 3e-6,
-max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False:
+max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, CUDA only:
+``bf16=True``, i.e. accelerate's bf16 autocast over the fp32 models):
 
   upstream  ``trl.experimental.ppo.PPOTrainer`` with its ``PPOConfig``: separate fp32 policy,
             reference, value model and reward model;
@@ -39,9 +40,14 @@ forward/backward/optimizer step plus its inline GAE and metrics. In both, the up
 split further by shadowing ``accelerator.backward``, ``accelerator.clip_grad_norm_`` and
 ``optimizer.step`` on the trainer's own instances.
 
-``--threads`` defaults to 1: on a shared 2-core machine two intra-op threads oversubscribe
-the cores and made generation 5-8x slower in trials (100m: ~10 s with 1 thread, 68-82 s
-with 2, at a load average of ~6).
+``--device`` defaults to ``cuda`` when torch sees a GPU (``use_cpu=True`` otherwise). CUDA
+kernels run asynchronously, so on CUDA every clock reading (phase start and end, update
+end) first calls ``torch.cuda.synchronize()``: a phase is charged for the kernels it
+launched, not for the ones still queued from the phase before.
+
+``--threads`` defaults to 1 (CPU only): on a shared 2-core machine two intra-op threads
+oversubscribe the cores and made generation 5-8x slower in trials (100m: ~10 s with 1
+thread, 68-82 s with 2, at a load average of ~6).
 
 The last two lines are ``throughput ratio separate/upstream: <x.xx>`` and
 ``throughput ratio shared/upstream: <x.xx>`` (median episodes/s, for 100m when it ran,
@@ -99,23 +105,33 @@ SCORE_LABELS = {"score.policy": "policy+value", "score.ref": "reference", "score
 
 # ---------------------------------------------------------------------------- clock
 class Clock:
-    """Phase intervals, token counts and update ends, as ``time.perf_counter()`` stamps."""
+    """Phase intervals, token counts and update ends, as ``time.perf_counter()`` stamps.
 
-    def __init__(self):
+    On CUDA (``device="cuda"``) every reading waits for the queued kernels first
+    (``torch.cuda.synchronize``), so each interval holds the GPU work launched inside it.
+    """
+
+    def __init__(self, device: str = "cpu"):
         self.intervals: list[tuple[str, float, float]] = []  # (phase, start, stop)
         self.tokens: list[tuple[float, int]] = []  # (stamp, valid response tokens generated)
         self.step_ends: list[float] = []
+        self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def now(self) -> float:
+        """``time.perf_counter()`` once the device has finished what was launched."""
+        self._sync()
+        return time.perf_counter()
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        start = self.now()
         try:
             yield
         finally:
-            self.intervals.append((name, start, time.perf_counter()))
+            self.intervals.append((name, start, self.now()))
 
     def count_tokens(self, n: int) -> None:
-        self.tokens.append((time.perf_counter(), n))
+        self.tokens.append((self.now(), n))
 
     def summary(self, batch_size: int, remainder: str = "other") -> dict:
         """Totals over the timed updates (all but the first): seconds, episodes, tokens, phases.
@@ -155,7 +171,7 @@ def step_clock_callback(clock: Clock):
 
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            clock.step_ends.append(time.perf_counter())
+            clock.step_ends.append(clock.now())
 
     return StepClock()
 
@@ -279,14 +295,14 @@ def prompt_dataset(tokenizer, n: int, lengths: tuple[int, int], seed: int):
     return Dataset.from_dict({"input_ids": rows})
 
 
-def config_kwargs(output_dir: str, updates: int, ppo_epochs: int) -> dict:
+def config_kwargs(output_dir: str, updates: int, ppo_epochs: int, device: str = "cpu", bf16: bool = False) -> dict:
     """The PPO settings every contender gets (TRL's defaults otherwise, e.g. lr 3e-6)."""
-    return dict(
+    return dict(use_cpu=device == "cpu",
         output_dir=output_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
         total_episodes=BATCH * (updates + 1), response_length=RESPONSE_LENGTH, num_ppo_epochs=ppo_epochs,
         num_mini_batches=1, local_rollout_forward_batch_size=BATCH, stop_token="eos", missing_eos_penalty=None,
         report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
-        seed=SEED, bf16=False,
+        seed=SEED, bf16=bf16,
     )
 
 
@@ -338,9 +354,9 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
 
 def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates: int, args) -> dict:
     """Build a fresh trainer, train ``updates + 1`` updates, return the timed summary."""
-    clock = Clock()
+    clock = Clock(args.device)
     with tempfile.TemporaryDirectory() as out:
-        cfg = config_kwargs(out, updates, args.ppo_epochs)
+        cfg = config_kwargs(out, updates, args.ppo_epochs, args.device, args.bf16)
         torch.manual_seed(SEED)
         np.random.seed(SEED)  # upstream shuffles mini-batches with numpy
         trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock)
@@ -352,6 +368,8 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
                 trainer.train()
         del trainer
         gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()  # the next contender starts from the same allocator state
     return clock.summary(BATCH, remainder="update" if contender == "upstream" else "other")
 
 
@@ -461,8 +479,10 @@ def describe_machine(args) -> str:
     import transformers
     import trl
 
+    device = f"device cuda ({torch.cuda.get_device_name()})" if args.device == "cuda" else "device cpu"
+    precision = "bf16 autocast" if args.bf16 else "fp32"
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"transformers {transformers.__version__}, trl {trl.__version__}, fp32")
+            f"{device}, transformers {transformers.__version__}, trl {trl.__version__}, {precision}")
 
 
 def main() -> None:
@@ -473,7 +493,13 @@ def main() -> None:
                         help=f"timed updates per run, after one warm-up (default {DEFAULT_UPDATES})")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="num_ppo_epochs for every contender")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, see above)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bf16", action="store_true", help="PPOConfig(bf16=True) for every contender (CUDA only)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device.")
+    if args.bf16 and args.device != "cuda":
+        parser.error("--bf16 needs --device cuda (on the CPU the package computes in fp32).")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown or not sizes:
