@@ -277,6 +277,7 @@ def test_a_checkpoint_written_on_trls_base_resumes_on_ours(tmp_path):
     assert [_without(h, "eps") for h in logs_a] == [_without(h, "eps") for h in logs_b]
 
 
+@pytest.mark.slow
 def test_transformers_trainer_as_last_resort_trains_and_saves(tmp_path):
     """Without TRL's base trainer and base config, our classes stand on transformers' own."""
     code = f"""
@@ -287,6 +288,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
 sys.path.insert(0, {str(ROOT / "tests")!r})
+from pathlib import Path
 import transformers
 from conftest import prompt_dataset, tiny_config, tiny_models
 from trl_ppo_ext import PPOConfig, PPOTrainer, _compat, _base
@@ -295,7 +297,7 @@ assert _base.trainer_root() is transformers.Trainer and _base.config_root() is _
 assert issubclass(PPOTrainer, transformers.Trainer) and issubclass(PPOConfig, _base.TransformersRootConfig)
 tok = build_tiny_tokenizer(pad_equals_eos=True)
 policy, ref, value, reward = tiny_models(tok)
-args = tiny_config(__import__("pathlib").Path({str(tmp_path)!r}), save_strategy="steps", save_steps=1)
+args = tiny_config(Path({str(tmp_path)!r}), save_strategy="steps", save_steps=1)
 trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                      train_dataset=prompt_dataset(tok), value_model=value)
 trainer.train()

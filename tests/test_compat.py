@@ -83,6 +83,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 @needs_trl_ppo
+@pytest.mark.slow
 def test_the_switch_forces_our_own_base_on_a_trl_with_ppo():
     code = (
         "from trl_ppo_ext import PPOConfig, PPOTrainer, _compat, _base\n"

@@ -1,8 +1,9 @@
 """``PPOConfig``: TRL's PPO config plus the fields our trainer adds.
 
 Its base is TRL's ``PPOConfig`` where the installed TRL has one (1.0 - 1.12), else
-``trl_ppo_ext._base.PPOConfigBase`` (the same fields on TRL's base config). Defaults equal TRL's, so a script that only swaps the import behaves the same apart from
-the fixes listed in the README. Readable by ``HfArgumentParser`` like every TRL config.
+``trl_ppo_ext._base.PPOConfigBase`` (the same fields on TRL's base config). Defaults equal
+TRL's, so a script that only swaps the import behaves the same apart from the fixes listed in
+the README. Readable by ``HfArgumentParser`` like every TRL config.
 """
 
 from __future__ import annotations
