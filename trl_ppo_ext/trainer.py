@@ -1107,7 +1107,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                     "eval/kl": (r.logprobs - r.ref_logprobs).sum(1),
                 }
                 for k, reward in enumerate(self.rewards):  # NaN where it does not apply; nanmean below
-                    row[f"eval/{reward.name}"] = r.reward_values[:, k]
+                    if len(self.rewards) > 1 or not reward.is_model:  # a lone RM is eval/rm_score already
+                        row[f"eval/{reward.name}"] = r.reward_values[:, k]
                 for name, fn in self.eval_metrics.items():
                     row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
                 for key, values in row.items():
