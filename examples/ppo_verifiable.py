@@ -1,6 +1,6 @@
 """PPO with verifiable rewards: a tiny model learns an exact-answer task on the CPU.
 
-    accelerate launch examples/ppo_verifiable.py      # the whole run: CPU, no hub, about a minute
+    accelerate launch examples/ppo_verifiable.py      # the whole run: CPU, no hub, 1-2 minutes
     python examples/ppo_verifiable.py --help           # every flag (the task's, LoRA's, PPOConfig's)
 
 Nothing is downloaded. The run:
@@ -39,9 +39,15 @@ reward then teaches it which operand to give, and that carries over to pairs it 
 mod 10 was tried as well: SFT fitted every training pair while held-out accuracy stayed at or
 below 0.35.
 
+Why TRL's ``trl.rewards.accuracy_reward`` is not among the rewards: it parses LaTeX answers
+with ``math_verify`` and scores a bare ``17`` as 0 (only ``\\boxed{17}`` counts), so the exact
+answer is checked here by ``exact_answer``. ``get_soft_overlong_punishment`` fits as it is: it
+reads ``completion_ids``, which the trainer passes as GRPO does.
+
 Why the LoRA targets include ``lm_head`` (as in ``examples/ppo_lora.py``): see that module's
-docstring. Why rank 4: rank 8 reached the same held-out accuracy in 1.5x the episodes with a
-larger gap to the PPO prompts (0.95 vs 0.72).
+docstring. Why rank 4 and 4096 episodes: in tuning runs rank 8 needed 6144 episodes for the held-out
+accuracy (0.72) that rank 4 reached in 4096; learning rates of 1e-2 and 2e-2 made things worse,
+2e-3 too slow; ``kl_coef`` 0.05 held the policy back (0.50 instead of 0.72).
 """
 
 from __future__ import annotations
