@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ppo_verifiable.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
-from test_example import _finite_numbers  # noqa: E402
 from verifiable_task import (  # noqa: E402
     answered_other_operand,
     build_task,
@@ -104,6 +103,18 @@ def test_trl_soft_overlong_punishment_as_the_example_uses_it():
 
 
 # --- the example, reduced, in a subprocess -------------------------------------------------
+def _numbers(obj, where="summary"):
+    """``(where, value)`` for every int/float anywhere in ``obj`` (bools and strings skipped).
+    Test modules do not import each other, so this is not shared with test_example.py."""
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        return [(where, obj)]
+    if isinstance(obj, dict):
+        return [n for k, v in obj.items() for n in _numbers(v, f"{where}.{k}")]
+    if isinstance(obj, list):
+        return [n for i, v in enumerate(obj) for n in _numbers(v, f"{where}[{i}]")]
+    return []
+
+
 NUMBERS = [f"{what}_{where}_{when}"
            for what in ("accuracy", "format_rate", "other_operand_rate")
            for where in ("held_out_greedy", "held_out_sampled", "ppo_prompts_greedy")
@@ -127,7 +138,8 @@ def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path):
     missing = [k for k in NUMBERS + ["task", "samples_before", "samples_after", "settings"] if k not in summary]
     assert not missing, f"summary.json lacks {missing}"
     assert all(isinstance(summary[k], (int, float)) for k in NUMBERS)
-    assert _finite_numbers(summary) > len(NUMBERS)
+    numbers = _numbers(summary)
+    assert len(numbers) > len(NUMBERS) and not [(k, v) for k, v in numbers if not math.isfinite(v)]
     for key in NUMBERS[:-3]:
         assert 0.0 <= summary[key] <= 1.0, key  # accuracies and rates
     settings = summary["settings"]
