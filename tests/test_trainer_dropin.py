@@ -163,3 +163,18 @@ def test_temperature_zero_trains_near_greedily(tmp_path):
     trainer.train()
     log = trainer.state.log_history[-1]
     assert log["objective/kl"] == pytest.approx(0.0, abs=1e-3)  # greedy tokens: log-probs ~0 for both
+
+
+def test_a_lora_adapter_on_the_embedding_trains(tmp_path):
+    """peft wraps a LoRA'd embedding in a module without `num_embeddings`; the rollout reads the rows
+    of the wrapped embedding to pick an in-range pad id."""
+    from trl_ppo_ext.modeling import SharedActorCritic
+
+    tok = build_tiny_tokenizer()
+    model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM"))
+    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=model,
+                         ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
+                         train_dataset=prompt_dataset(tok))
+    trainer.train()
+    assert trainer.state.global_step == 1

@@ -124,6 +124,14 @@ def _warn_low_precision_trainables(model: nn.Module) -> None:
         )
 
 
+def _embedding_rows(model: nn.Module) -> int:
+    """Rows of ``model``'s input embedding, through peft's wrapper when the embedding carries a
+    LoRA adapter (the wrapper has no ``num_embeddings``); read from the module, not the weight,
+    which ZeRO-3 partitions."""
+    embedding = model.get_input_embeddings()
+    return int(getattr(embedding, "base_layer", embedding).num_embeddings)
+
+
 def _scalar_head_outputs(model: nn.Module) -> int:
     """Outputs of a sequence classifier's ``score`` head (its config's num_labels if it has none)."""
     head = getattr(model, "score", None)
@@ -716,8 +724,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
             policy = unwrapped.policy
-            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids,
-                                       policy.get_input_embeddings().num_embeddings)
+            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, _embedding_rows(policy))
             config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
             with self.accelerator.autocast():
                 raw = generate_responses(
