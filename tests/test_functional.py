@@ -595,10 +595,12 @@ def test_global_statistics_across_two_gloo_processes(tmp_path):
 
 
 def test_clipped_surrogate_hand_computed():
-    ratio = torch.tensor([[0.5, 1.0, 1.5, 1.5], [0.5, 2.0, 9.0, INF]], requires_grad=True)
+    ratio = torch.tensor([[0.5, 1.0, 1.5, 1.5], [0.5, 2.0, 9.0, INF]])
+    new_logprobs = ratio.log().requires_grad_(True)  # old log-probs 0: exp(new - old) = ratio
     advantages = torch.tensor([[1.0, 2.0, 1.0, -1.0], [-1.0, 0.5, 5.0, NAN]])
     mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
-    loss, clipfrac = F.masked_clipped_surrogate(ratio, advantages, mask, 0.2)
+    loss, stats = F.masked_clipped_surrogate(new_logprobs, torch.zeros(2, 4), advantages, mask, 0.2)
+    clipfrac = stats["clipfrac"]
     # min(ratio * A, clip(ratio, 0.8, 1.2) * A):
     # row 0: min(0.5, 0.8) = 0.5; min(2, 2) = 2 (tie: not clipped); min(1.5, 1.2) = 1.2 (clipped);
     #        min(-1.5, -1.2) = -1.5
@@ -606,16 +608,22 @@ def test_clipped_surrogate_hand_computed():
     # sum = 0.5 + 2 + 1.2 - 1.5 - 0.8 + 0.6 = 2.0 over 6 tokens -> loss = -2/6
     assert_close(loss, -2.0 / 6.0)
     assert_close(clipfrac, 3.0 / 6.0)
-    assert not clipfrac.requires_grad
+    # ratios 0.5, 1, 1.5, 1.5, 0.5, 2 -> mean 7/6, max 2; log-ratios -> 0.5 * mean(log r ^ 2)
+    assert_close(stats["ratio_mean"], 7.0 / 6.0)
+    assert_close(stats["ratio_max"], 2.0)
+    logs = [math.log(r) for r in (0.5, 1.0, 1.5, 1.5, 0.5, 2.0)]
+    assert_close(stats["approxkl"], 0.5 * sum(x * x for x in logs) / 6)
+    assert not any(v.requires_grad for v in stats.values())
     loss.backward()
-    # d loss / d ratio = -A/6 where the unclipped term is chosen, 0 where clipped or masked
-    assert_close(ratio.grad, [[-1 / 6, -2 / 6, 0.0, 1 / 6], [0.0, 0.0, 0.0, 0.0]])
+    # d loss / d log pi_new = ratio * d loss / d ratio = -A * ratio / 6 where the unclipped term is
+    # chosen, 0 where clipped or masked (the inf outside the mask stays out of the gradient)
+    assert_close(new_logprobs.grad, [[-0.5 / 6, -2 / 6, 0.0, 1.5 / 6], [0.0, 0.0, 0.0, 0.0]])
 
 
 def test_clipped_surrogate_rejects_negative_cliprange():
     with pytest.raises(ValueError, match="cliprange"):
         F.masked_clipped_surrogate(
-            torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), -0.2
+            torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), -0.2
         )
 
 
@@ -624,7 +632,8 @@ def test_clipped_value_loss_hand_computed():
     old_values = torch.tensor([[0.0, 2.5, 9.0], [1.0, 0.0, NAN]])
     returns = torch.tensor([[2.0, 2.0, 5.0], [0.0, 1.0, INF]])
     mask = torch.tensor([[True, True, False], [True, True, False]])
-    loss, clipfrac = F.masked_clipped_value_loss(new_values, old_values, returns, mask, 0.2)
+    loss, stats = F.masked_clipped_value_loss(new_values, old_values, returns, mask, 0.2)
+    clipfrac = stats["clipfrac"]
     # (V - R)^2 vs (clip(V, V_old - 0.2, V_old + 0.2) - R)^2, take the max:
     # (1 - 2)^2 = 1    vs (0.2 - 2)^2 = 3.24 -> 3.24 (clipped)
     # (2 - 2)^2 = 0    vs (2.3 - 2)^2 = 0.09 -> 0.09 (clipped)
@@ -633,11 +642,11 @@ def test_clipped_value_loss_hand_computed():
     # 0.5 * (3.24 + 0.09 + 1.21 + 4) / 4 = 0.5 * 2.135 = 1.0675
     assert_close(loss, 1.0675)
     assert_close(clipfrac, 0.5)
-    unclipped_loss, unclipped_frac = F.masked_clipped_value_loss(
+    unclipped_loss, unclipped_stats = F.masked_clipped_value_loss(
         new_values, old_values, returns, mask, None
     )
     assert_close(unclipped_loss, 0.5 * (1.0 + 0.0 + 1.21 + 4.0) / 4)  # = 0.77625
-    assert unclipped_frac.item() == 0.0
+    assert unclipped_stats["clipfrac"].item() == 0.0
 
 
 # --------------------------------------------------------------------------- logits
@@ -740,7 +749,7 @@ def test_no_function_modifies_its_inputs():
         gae(x[0], x[1], mask, 0.9, 0.9)
     F.masked_global_whiten(x[0], mask, keep_mean=True)
     F.masked_var(x[0], mask)
-    F.masked_clipped_surrogate(x[0], x[1], mask, 0.2)
+    F.masked_clipped_surrogate(x[0], x[1], x[2], mask, 0.2)
     F.masked_clipped_value_loss(x[0], x[1], x[2], mask, 0.2)
     F.logprobs_from_logits(logits, tokens)
     F.masked_entropy(logits, mask)
@@ -750,3 +759,13 @@ def test_no_function_modifies_its_inputs():
             assert torch.equal(after.isnan(), original.isnan())
             after, original = after.nan_to_num(), original.nan_to_num()
         assert torch.equal(after, original)
+
+
+def test_shaped_rewards_take_a_precomputed_kl():
+    # kl given (e.g. computed once for logging): used as is on the mask, ignored off it
+    mask = torch.tensor([[True, True, False]])
+    kl = torch.tensor([[0.5, 2.0, NAN]])
+    rewards, non_score = F.shaped_rewards(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([3.0]), mask, 0.1, kl=kl)
+    # non-score: -0.1 * [0.5, 2.0] = [-0.05, -0.2], 0 off the mask; the score 3 lands on index 1
+    assert_close(non_score, [[-0.05, -0.2, 0.0]])
+    assert_close(rewards, [[-0.05, 2.8, 0.0]])

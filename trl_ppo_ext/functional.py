@@ -16,6 +16,7 @@ only, so the trainer and the tests can use it without TRL or transformers.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -188,6 +189,8 @@ def shaped_rewards(
     response_mask: torch.Tensor,
     kl_coef: Union[float, torch.Tensor],
     kl_estimator: str = "k1",
+    *,
+    kl: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: a KL penalty on every valid token, the RM score on the last one.
 
@@ -198,6 +201,9 @@ def shaped_rewards(
         response_mask: bool (B, T).
         kl_coef: beta >= 0, a float or a 0-dim tensor.
         kl_estimator: "k1", "k2" or "k3" (see `kl_penalty`).
+        kl: the per-token KL estimates, (B, T), when the caller already has them (e.g. for
+            logging): used as they are (only their masked-in values), so the estimate is
+            computed once; None computes them here from the log-probs.
 
     Returns:
         ``(rewards, non_score_rewards)``, both (B, T) in the promoted float dtype:
@@ -215,13 +221,15 @@ def shaped_rewards(
         )
     dtype = _float_dtype(logprobs, ref_logprobs, scores)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
-    # select before computing, so garbage outside the mask never reaches exp() or products
-    kl = kl_penalty(
-        torch.where(response_mask, logprobs.to(dtype), zero),
-        torch.where(response_mask, ref_logprobs.to(dtype), zero),
-        kl_estimator,
-    )
-    non_score_rewards = torch.where(response_mask, -kl_coef * kl, zero)
+    if kl is None:
+        # select before computing, so garbage outside the mask never reaches exp() or products
+        kl = kl_penalty(
+            torch.where(response_mask, logprobs.to(dtype), zero),
+            torch.where(response_mask, ref_logprobs.to(dtype), zero),
+            kl_estimator,
+        )
+    _check_same_shape(kl=kl, response_mask=response_mask)
+    non_score_rewards = torch.where(response_mask, -kl_coef * torch.where(response_mask, kl.to(dtype), zero), zero)
     positions = torch.arange(response_mask.shape[1], device=response_mask.device)
     at_end = positions[None, :] == last_valid_index(response_mask)[:, None]
     # rewards[b, last[b]] += scores[b] for each row b with last[b] >= 0
@@ -532,10 +540,10 @@ def masked_global_whiten(
     Args:
         x: any shape, e.g. advantages (B, T).
         mask: bool, same shape as ``x``.
-        shift_mean: TRL's name: False adds the mean back after scaling. None (the
-            default) means True.
-        keep_mean: the same flag named by its effect: keep_mean=True == shift_mean=False.
-            Passing both with opposite meanings raises ValueError.
+        shift_mean: accepted for TRL's call sites only (``shift_mean=False`` is
+            ``keep_mean=True``); use ``keep_mean``. Opposite meanings raise ValueError.
+        keep_mean: add the mean back after scaling (whitening rewards keeps their level);
+            default False.
         eps: >= 0, added to the variance.
 
     Returns:
@@ -565,20 +573,22 @@ def masked_global_whiten(
 
 
 def masked_clipped_surrogate(
-    ratio: torch.Tensor,
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange: float,
     num_tokens: Optional[Union[float, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped policy loss, averaged over all valid tokens of the batch.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped policy loss from log-probs, averaged over all valid tokens of the batch.
 
-    Compute ``ratio`` as ``exp(where(mask, new_logprobs - old_logprobs, 0))``: this
-    function ignores ratio outside the mask in the forward pass, but an inf produced
-    upstream would still send ``0 * inf = nan`` into the gradient of ``exp``.
+    ``ratio = exp(where(mask, new_logprobs - old_logprobs, 0))``: the log-ratio is selected
+    before ``exp``, so garbage (even inf) outside the mask reaches neither the loss nor its
+    gradient.
 
     Args:
-        ratio: pi_new(a_t|s_t) / pi_old(a_t|s_t), shape (B, T).
+        new_logprobs: log pi_new(a_t|s_t) of the policy being trained, shape (B, T).
+        old_logprobs: log pi_old(a_t|s_t) from the rollout, shape (B, T).
         advantages: (B, T), usually whitened and detached.
         response_mask: bool (B, T).
         cliprange: eps >= 0; the ratio is clipped to [1 - eps, 1 + eps].
@@ -586,22 +596,33 @@ def masked_clipped_surrogate(
             (see ``masked_token_mean``); None: the mean over this batch.
 
     Returns:
-        ``(loss, clipfrac)`` scalars: ``loss = -masked_mean(min(ratio * A, clip(ratio) * A))``
-        (or that sum over ``num_tokens``) and the (detached) share of valid tokens where the clipped term is strictly
-        smaller, i.e. the one chosen. Both 0 for an empty mask.
+        ``(loss, stats)``: ``loss = -masked_mean(min(ratio * A, clip(ratio) * A))`` (or that
+        sum over ``num_tokens``), and detached scalars over the valid tokens: ``clipfrac``
+        (share where the clipped term is strictly smaller, i.e. the one chosen),
+        ``ratio_mean``, ``ratio_max`` (-inf for an empty mask) and ``approxkl``
+        (``0.5 * mean(log_ratio**2)``). Loss and means are 0 for an empty mask.
     """
     _check_mask(response_mask)
-    _check_same_shape(ratio=ratio, advantages=advantages, response_mask=response_mask)
+    _check_same_shape(
+        new_logprobs=new_logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
+    )
     _check_range("cliprange", cliprange, 0.0, float("inf"))
-    dtype = _float_dtype(ratio, advantages)
-    zero = torch.zeros((), dtype=dtype, device=ratio.device)
-    ratio = torch.where(response_mask, ratio.to(dtype), zero)
+    dtype = _float_dtype(new_logprobs, old_logprobs, advantages)
+    zero = torch.zeros((), dtype=dtype, device=new_logprobs.device)
+    log_ratio = torch.where(response_mask, new_logprobs.to(dtype) - old_logprobs.to(dtype), zero)
+    ratio = torch.exp(log_ratio)
     advantages = torch.where(response_mask, advantages.to(dtype), zero)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages
     loss = -masked_token_mean(torch.minimum(unclipped, clipped), response_mask, num_tokens)
-    clipfrac = masked_mean((clipped < unclipped).to(dtype), response_mask).detach()
-    return loss, clipfrac
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped < unclipped).to(dtype), response_mask),
+            "ratio_mean": masked_mean(ratio, response_mask),
+            "ratio_max": ratio.masked_fill(~response_mask, float("-inf")).amax() if ratio.numel() else zero - math.inf,
+            "approxkl": 0.5 * masked_mean(log_ratio.square(), response_mask),
+        }
+    return loss, {k: v.detach() for k, v in stats.items()}
 
 
 def masked_clipped_value_loss(
@@ -625,8 +646,9 @@ def masked_clipped_value_loss(
             (see ``masked_token_mean``); None: the mean over this batch.
 
     Returns:
-        ``(loss, clipfrac)`` scalars; clipfrac (detached) is the share of valid tokens
-        where the clipped term is strictly larger (the one chosen); 0 without clipping.
+        ``(loss, stats)``: the loss scalar, and ``stats["clipfrac"]`` (detached), the share
+        of valid tokens where the clipped term is strictly larger (the one chosen); 0
+        without clipping.
     """
     _check_mask(response_mask)
     _check_same_shape(
@@ -639,7 +661,7 @@ def masked_clipped_value_loss(
     )
     unclipped = (new_values - returns).square()
     if cliprange_value is None:
-        return 0.5 * masked_token_mean(unclipped, response_mask, num_tokens), zero.clone()
+        return 0.5 * masked_token_mean(unclipped, response_mask, num_tokens), {"clipfrac": zero.clone()}
     _check_range("cliprange_value", cliprange_value, 0.0, float("inf"))
     # clip(V, V_old - eps, V_old + eps)
     clipped_values = torch.clamp(
@@ -648,7 +670,7 @@ def masked_clipped_value_loss(
     clipped = (clipped_values - returns).square()
     loss = 0.5 * masked_token_mean(torch.maximum(unclipped, clipped), response_mask, num_tokens)
     clipfrac = masked_mean((clipped > unclipped).to(dtype), response_mask).detach()
-    return loss, clipfrac
+    return loss, {"clipfrac": clipfrac}
 
 
 # --------------------------------------------------------------------------- logits

@@ -77,9 +77,11 @@ class OnlineTrainerState(TrainerState):
 
 
 @dataclass
-class Advantages:
-    """What the advantage phase derives from a ``Rollout``. All ``(B, T)`` float32 unless noted;
-    every field is 0 where ``response_mask`` is False."""
+class PPOTargets:
+    """What the update trains toward, derived from a ``Rollout`` by ``compute_advantages``: the
+    scores and shaped per-token rewards, and from them the advantages (policy) and returns
+    (value). All ``(B, T)`` float32 unless noted; every field is 0 where ``response_mask`` is
+    False."""
 
     scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
     kl: torch.Tensor  # per-token KL estimate (the configured estimator)
@@ -866,7 +868,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             return score_at(model if model is not None else self.reward_model, *inputs, index=index)
 
     @torch.no_grad()
-    def compute_advantages(self, rollout: Rollout) -> Advantages:
+    def compute_advantages(self, rollout: Rollout) -> PPOTargets:
         """Shaped rewards -> masked GAE -> masked global whitening."""
         args, mask = self.args, rollout.response_mask
         scores = rollout.scores
@@ -874,7 +876,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             scores = scores - args.missing_eos_penalty * (~rollout.has_stop).float()
         kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
         rewards, non_score = F.shaped_rewards(
-            rollout.logprobs, rollout.ref_logprobs, scores, mask, self.kl_controller.value, args.kl_estimator
+            rollout.logprobs, rollout.ref_logprobs, scores, mask, self.kl_controller.value, args.kl_estimator, kl=kl
         )
         if args.whiten_rewards:
             rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
@@ -882,12 +884,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
         if args.whiten_advantages:
             advantages = F.masked_global_whiten(advantages, mask)
-        return Advantages(
+        return PPOTargets(
             scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
             returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
         )
 
-    def ppo_update(self, rollout: Rollout, adv: Advantages, update: int) -> tuple[dict, GuardDecision]:
+    def ppo_update(self, rollout: Rollout, adv: PPOTargets, update: int) -> tuple[dict, GuardDecision]:
         """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
         per mini-batch, skipped (no parameter changes) when its loss or gradient is not finite.
 
@@ -962,7 +964,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return torch.as_tensor(norm).detach().float()
 
     def compute_loss_terms(
-        self, mb: Rollout, adv: Advantages, num_tokens: torch.Tensor | None = None
+        self, mb: Rollout, adv: PPOTargets, num_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO loss on one micro-batch: clipped surrogate + vf_coef * clipped value loss
         - entropy_coef * entropy, every term over ``response_mask`` only.
@@ -975,10 +977,10 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
-        log_ratio = (new_logprobs - mb.logprobs).masked_fill(~mask, 0.0)
-        ratio = torch.exp(log_ratio)
-        pg_loss, pg_clipfrac = F.masked_clipped_surrogate(ratio, adv.advantages, mask, args.cliprange, num_tokens)
-        vf_loss, vf_clipfrac = F.masked_clipped_value_loss(
+        pg_loss, pg_stats = F.masked_clipped_surrogate(
+            new_logprobs, mb.logprobs, adv.advantages, mask, args.cliprange, num_tokens
+        )
+        vf_loss, vf_stats = F.masked_clipped_value_loss(
             new_values, mb.values, adv.returns, mask, args.cliprange_value, num_tokens
         )
         with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
@@ -989,17 +991,15 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / mask.sum().clamp(min=1)
             stats = {
                 "pg_loss": pg_loss.detach() * to_local, "vf_loss": vf_loss.detach() * to_local,
-                "pg_clipfrac": pg_clipfrac.detach(), "vf_clipfrac": vf_clipfrac.detach(),
-                "entropy": entropy.detach() * to_local,
-                "approxkl": 0.5 * F.masked_mean(log_ratio**2, mask),
-                "ratio_mean": F.masked_mean(ratio, mask),
-                "ratio_max": ratio.masked_fill(~mask, float("-inf")).max(),
-                "loss": loss.detach() * to_local,
+                "entropy": entropy.detach() * to_local, "loss": loss.detach() * to_local,
+                "pg_clipfrac": pg_stats["clipfrac"], "vf_clipfrac": vf_stats["clipfrac"],
+                "approxkl": pg_stats["approxkl"], "ratio_mean": pg_stats["ratio_mean"],
+                "ratio_max": pg_stats["ratio_max"],
             }
         return loss, stats
 
     @torch.no_grad()
-    def update_metrics(self, rollout: Rollout, adv: Advantages, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
         """This update's statistics, averaged over every process (one gather)."""
         mask = rollout.response_mask
         lengths = mask.sum(1).float()
@@ -1195,14 +1195,17 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 wandb.log({"completions": wandb.Table(dataframe=df)})
 
 
+Advantages = PPOTargets  # its name before 0.1.0; subclasses' type hints may still use it
+
+
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-micro-batch scalars -> one ``(n,)`` tensor per statistic."""
     return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
 
 
-def _select_adv(adv: Advantages, index: torch.Tensor) -> Advantages:
+def _select_adv(adv: PPOTargets, index: torch.Tensor) -> PPOTargets:
     """The rows ``index`` of every per-sequence/per-token field; scalars are kept."""
-    return Advantages(
+    return PPOTargets(
         **{f.name: (v[index] if torch.is_tensor(v) and v.dim() > 0 else v)
            for f in fields(adv) for v in [getattr(adv, f.name)]}
     )
