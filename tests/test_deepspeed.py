@@ -2,6 +2,8 @@
 `accelerate launch --config_file examples/accelerate_configs/deepspeed_zero{2,3}.yaml`, with
 `--num_processes 2 --mixed_precision no` on the command line. Each run is
 `tests/scripts/ppo_deepspeed.py` (tiny models, 2 PPO epochs x 2 mini-batches per update).
+ZeRO-2 is compared with plain DDP, killed (SIGKILL) and preempted (SIGTERM to the launcher)
+and resumed; ZeRO-3 trains sharded, gathers the policy once per rollout and resumes.
 
 Skipped without DeepSpeed (`pip install -e ".[test,deepspeed]"`).
 """
@@ -11,8 +13,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +36,7 @@ ZERO2 = ["--config_file", str(CONFIGS / "deepspeed_zero2.yaml")]
 ZERO3 = ["--config_file", str(CONFIGS / "deepspeed_zero3.yaml")]
 
 
-def _launch(config, out, *script_args, timeout=600):
+def _command(config, out, *script_args):
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     cmd = [accelerate, "launch", *config, "--num_processes", "2", "--mixed_precision", "no",
            str(SCRIPT), str(out), *script_args]
@@ -41,7 +45,27 @@ def _launch(config, out, *script_args, timeout=600):
     env.pop("ACCELERATE_USE_CPU", None)  # DeepSpeed runs must not be forced onto accelerate's CPU path
     if config is DDP:
         env["ACCELERATE_USE_CPU"] = "1"
+    return cmd, env
+
+
+def _launch(config, out, *script_args, timeout=600):
+    cmd, env = _command(config, out, *script_args)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _launch_then_sigterm(config, out, tag, *script_args, timeout=600):
+    """Start a run, send SIGTERM to the launcher once rank 0 waits for it (OUT/<tag>.waiting), as a
+    cluster does before it kills a job; ``(launcher exit status, its output)``."""
+    cmd, env = _command(config, out, tag, *script_args)
+    log = out / f"{tag}.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while not (out / f"{tag}.waiting").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        returncode = proc.wait(timeout=timeout)
+    return returncode, log.read_text()
 
 
 def _ok(proc):
@@ -62,7 +86,8 @@ def _no_eps(logs):
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
-    """DDP and ZeRO-2 runs of the same 3 updates; a ZeRO-2 run killed in update 2, and its resume."""
+    """DDP and ZeRO-2 runs of the same 3 updates; a ZeRO-2 run killed in update 2 (SIGKILL), one
+    preempted in update 2 (SIGTERM to the launcher), and the resume of each."""
     out = tmp_path_factory.mktemp("zero2")
     runs = {
         "ddp": _launch(DDP, out, "ddp"),
@@ -71,6 +96,9 @@ def zero2(tmp_path_factory):
     }
     runs["left_by_kill"] = sorted(os.listdir(out / "killed" / "out"))
     runs["resumed"] = _launch(ZERO2, out, "resumed", "--save", "--resume", "--run-dir", "killed")
+    runs["preempted"] = _launch_then_sigterm(ZERO2, out, "preempted", "--save", "--wait-for-sigterm-in-update", "2")
+    runs["manifest_at_sigterm"] = json.loads((out / "preempted" / "out" / "run_manifest.json").read_text())
+    runs["after_sigterm"] = _launch(ZERO2, out, "after_sigterm", "--save", "--resume", "--run-dir", "preempted")
     return out, runs
 
 
@@ -122,6 +150,25 @@ def test_zero2_resumes_exactly_after_sigkill(zero2):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     straight, resumed = _reports(out, "zero2")[0]["logs"], _reports(out, "resumed")[0]["logs"]
     assert len(resumed) == 3 and _no_eps(resumed[1:]) == _no_eps(straight[1:])
+
+
+def test_zero2_sigterm_to_the_launcher_checkpoints_mid_update_and_resumes_exactly(zero2):
+    out, runs = zero2
+    _ok(runs["zero2"])
+    _, output = runs["preempted"]  # the launcher itself exits 1: torch's agent re-raises the signal
+    # it forwarded SIGTERM to both processes; they finished update 2's first step together
+    assert output.count("SIGTERM received") == 2, output[-6000:]
+    assert "checkpoint written, exiting with status 0" in output
+    ckpt = out / "preempted" / "out" / "checkpoint-1-preempted"
+    assert (ckpt / "trainer_state.json").exists(), output[-6000:]
+    assert (ckpt / "inflight_update_0.pt").exists() and (ckpt / "inflight_update_1.pt").exists()
+    manifest = runs["manifest_at_sigterm"]  # before the resume rewrote it
+    assert (manifest["status"], manifest["stop_reason"]) == ("preempted", "preempted")
+    _ok(runs["after_sigterm"])
+    a, b = torch.load(out / "zero2_params.pt"), torch.load(out / "after_sigterm_params.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    straight, resumed = _reports(out, "zero2")[0]["logs"], _reports(out, "after_sigterm")[0]["logs"]
+    assert _no_eps(resumed) == _no_eps(straight)
 
 
 @pytest.fixture(scope="module")

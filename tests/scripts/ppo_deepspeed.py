@@ -2,12 +2,16 @@
 (see tests/test_deepspeed.py). One main run per call, plus optional follow-ups:
 
     ppo_deepspeed.py OUT TAG [--shared] [--updates N] [--save] [--kill-in-update K] [--resume]
-                             [--run-dir NAME] [--resume-check K] [--also-shared] [--probe-generation]
+                             [--wait-for-sigterm-in-update K] [--run-dir NAME] [--resume-check K]
+                             [--also-shared] [--probe-generation]
 
 --shared            the LoRA shared-backbone actor-critic (default: separate policy/value/ref/reward)
 --save              checkpoint after every update (into OUT/<run-dir or TAG>/out)
 --kill-in-update K  rank 1 SIGKILLs itself inside update K (after its first optimizer step)
 --resume            resume from the latest checkpoint in OUT/<run-dir>/out
+--wait-for-sigterm-in-update K
+                    rank 0 writes OUT/<TAG>.waiting at its first loss of update K, then waits
+                    there until a SIGTERM arrives (the test sends it to the launcher)
 --resume-check K    afterwards, a second trainer resumes from checkpoint-K of this run and trains
                     to the end: are its parameters and logs equal to the main run's?
 --also-shared       afterwards, train the shared LoRA actor-critic for as many updates
@@ -53,6 +57,23 @@ class KilledInUpdate(PPOTrainer):
             self.losses_seen += 1
             if self.losses_seen > self.plan.micro_batches_per_mini_batch:  # one optimizer step done
                 os.kill(os.getpid(), signal.SIGKILL)
+        return super().compute_loss_terms(mb, adv, num_tokens)
+
+
+class WaitsForSigterm(PPOTrainer):
+    """Rank 0 stops inside update ``in_update`` (before its first optimizer step) until SIGTERM
+    comes, so the signal lands at a known step; the other rank waits in the step's collectives."""
+
+    in_update = None
+    marker = None
+
+    def compute_loss_terms(self, mb, adv, num_tokens=None):
+        if self.state.global_step + 1 == self.in_update and self.accelerator.process_index == 0:
+            if not self.marker.exists():
+                self.marker.write_text("waiting")
+                deadline = time.monotonic() + 300
+                while not self._sigterm.received and time.monotonic() < deadline:
+                    time.sleep(0.05)
         return super().compute_loss_terms(mb, adv, num_tokens)
 
 
@@ -134,6 +155,7 @@ def main():
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--kill-in-update", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--wait-for-sigterm-in-update", type=int, default=None)
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--resume-check", type=int, default=None)
     parser.add_argument("--also-shared", action="store_true")
@@ -144,8 +166,10 @@ def main():
     models = [tiny_models(tok) for _ in range(1 + (opts.resume_check is not None) + opts.also_shared)]
 
     KilledInUpdate.kill_in_update = opts.kill_in_update
-    trainer = build_trainer(tok, models.pop(0), opts, opts.out / (opts.run_dir or opts.tag), opts.shared,
-                            KilledInUpdate if opts.kill_in_update else PPOTrainer)
+    WaitsForSigterm.in_update = opts.wait_for_sigterm_in_update
+    WaitsForSigterm.marker = opts.out / f"{opts.tag}.waiting"
+    cls = KilledInUpdate if opts.kill_in_update else WaitsForSigterm if opts.wait_for_sigterm_in_update else PPOTrainer
+    trainer = build_trainer(tok, models.pop(0), opts, opts.out / (opts.run_dir or opts.tag), opts.shared, cls)
     steps = record_optimizer_steps(trainer)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
