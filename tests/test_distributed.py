@@ -1,6 +1,7 @@
 """Two CPU processes through `accelerate launch` (gloo): a short train() runs, logs gathered
 metrics, keeps parameters in sync; also with peft_config and ref_model=None, which crashes
-TRL 1.12 ('DistributedDataParallel' object has no attribute 'policy')."""
+TRL 1.12 ('DistributedDataParallel' object has no attribute 'policy'). Then the helpers of
+`trl_ppo_ext.distributed` (the DeepSpeed runs themselves are in tests/test_deepspeed.py)."""
 
 import json
 import math
@@ -9,8 +10,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from trl_ppo_ext import distributed
+from trl_ppo_ext.batching import BatchPlan
 
 pytestmark = pytest.mark.slow  # subprocess runs
 
@@ -47,3 +53,64 @@ def test_two_process_train(tmp_path, mode):
         for r in ranks:
             assert r["completions"] == 5
             assert all(log["eval/prompt_words"] == r["eval_prompt_words"] for log in r["logs"])
+
+
+# ---------------------------------------------------------------------- trl_ppo_ext.distributed
+
+@pytest.mark.parametrize(
+    "deepspeed, world, cuda, expected",
+    [("true", "2", False, True), ("true", "2", True, False), ("true", "1", False, False),
+     ("false", "2", False, False), (None, "2", False, False)],
+)
+def test_gloo_only_for_a_multi_process_deepspeed_launch_without_cuda(monkeypatch, deepspeed, world, cuda, expected):
+    if deepspeed is None:
+        monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", deepspeed)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(distributed, "_has_device_accelerator", lambda: cuda)
+    assert distributed.needs_gloo_backend() is expected
+
+
+def _fake_accelerator(ds_config):
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config)))
+
+
+def _ppo_args(max_grad_norm=1.0):
+    return SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2,
+                           max_grad_norm=max_grad_norm, num_ppo_epochs=1, total_episodes=96, num_train_epochs=1)
+
+
+def test_configure_deepspeed_fills_auto_values_from_the_batch_plan():
+    args = _ppo_args()
+    plan = BatchPlan.from_config(args, world_size=2, dataset_len=100)
+    # per process: a rollout of 4 * 3 = 12 prompts, 2 mini-batches of 6, micro-batches of 4 and 2
+    config = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": 2}}
+    distributed.configure_deepspeed(_fake_accelerator(config), args, plan)
+    assert config["gradient_accumulation_steps"] == 2  # ceil(6 / 4) micro-batches per optimizer step
+    assert config["gradient_clipping"] == 1.0
+    assert config["train_micro_batch_size_per_gpu"] == 4
+    assert config["train_batch_size"] == 4 * 2 * 2  # what DeepSpeed checks: micro * accumulation * processes
+    no_clip = {"zero_optimization": {"stage": 2}}  # absent keys count as auto
+    distributed.configure_deepspeed(_fake_accelerator(no_clip), _ppo_args(max_grad_norm=None), plan)
+    assert no_clip["gradient_clipping"] == 0.0  # DeepSpeed's "no clipping"
+
+
+@pytest.mark.parametrize("key, value", [("gradient_accumulation_steps", 8), ("gradient_clipping", 0.5)])
+def test_configure_deepspeed_refuses_a_value_that_contradicts_the_run(key, value):
+    args = _ppo_args()
+    plan = BatchPlan.from_config(args, world_size=2, dataset_len=100)
+    with pytest.raises(ValueError, match=rf"DeepSpeed config has {key}={value} but this PPO run needs .*\"auto\""):
+        distributed.configure_deepspeed(_fake_accelerator({key: value}), args, plan)
+
+
+def test_gathered_and_full_state_are_plain_copies_without_zero3():
+    layer = torch.nn.Linear(3, 2)
+    with distributed.gathered(layer.parameters()):
+        pass  # no DeepSpeed import, no collective
+    copies = distributed.full_state(layer.named_parameters(), keep=True)
+    assert set(copies) == {"weight", "bias"} and torch.equal(copies["weight"], layer.weight)
+    copies["weight"].zero_()
+    assert not torch.equal(copies["weight"], layer.weight)  # copies, not views
+    assert distributed.full_state(layer.named_parameters(), keep=False) == {}

@@ -338,8 +338,8 @@ def test_write_is_atomic_and_finish_records_the_stop(tmp_path, tokenizer, lm):
 
 
 def test_finish_refuses_an_unknown_status_or_a_missing_manifest(tmp_path):
-    with pytest.raises(ValueError, match=r"status must be one of \['completed', 'halted', 'failed', 'interrupted'\], "
-                                         r"got 'done'"):
+    with pytest.raises(ValueError, match=r"status must be one of \['completed', 'halted', 'failed', 'interrupted', "
+                                         r"'preempted'\], got 'done'"):
         finish_manifest(tmp_path / "run_manifest.json", "x", "done")
     with pytest.raises(FileNotFoundError, match="No run manifest at .* Write it with write_manifest"):
         finish_manifest(tmp_path / "run_manifest.json", "x", "completed")

@@ -161,3 +161,31 @@ def test_4bit_model_loaded_on_cuda_round_trips_through_the_cpu(tmp_path):
             again = model(ids).logits
     assert module_devices(model) == {torch.device("cpu")}
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_trainer_scores_with_an_offloaded_4bit_reward_model_and_parks_it_again(tmp_path):
+    from conftest import prompt_dataset, tiny_config, tiny_models
+
+    from trl_ppo_ext import PPOTrainer
+    from trl_ppo_ext.rollout import sequence_inputs
+
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    build_tiny_scorer(tok, hidden_size=64).save_pretrained(tmp_path / "rm")
+    policy, ref, value, _ = tiny_models(tok)
+    trainer = PPOTrainer(
+        args=tiny_config(tmp_path, offload_reward_model=True, bf16=False, total_episodes=4), processing_class=tok,
+        model=policy, ref_model=ref, value_model=value, train_dataset=prompt_dataset(tok),
+        reward_model=load_reward_model(tmp_path / "rm", load_in_4bit=True),  # quantized on the GPU
+    )
+    cpu = {torch.device("cpu")}
+    assert module_devices(trainer.reward_model) == cpu  # parked between scoring passes
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    assert module_devices(trainer.reward_model) == cpu
+    inputs = sequence_inputs(rollout.queries, rollout.query_mask, rollout.responses, rollout.response_mask)
+    with on_device(trainer.reward_model, "cuda"):  # the same pass with the model kept on the GPU
+        expected = trainer.reward_scores(rollout, inputs).float()
+    torch.testing.assert_close(rollout.scores, expected, rtol=0, atol=0)
+    trainer.train()  # a whole update with the round trip inside
+    assert module_devices(trainer.reward_model) == cpu

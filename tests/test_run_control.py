@@ -180,19 +180,101 @@ def _run(out, mode):
                           timeout=600)
 
 
-@pytest.mark.slow
-def test_sigkill_during_update_4_then_resume_matches_a_straight_run(tmp_path):
-    straight, killed = _run(tmp_path, "straight"), _run(tmp_path, "killed")
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """6 updates in one go, in a subprocess: the run every interrupted one must equal."""
+    out = tmp_path_factory.mktemp("straight")
+    straight = _run(out, "straight")
     assert straight.returncode == 0, straight.stderr[-4000:]
+    return out
+
+
+def _assert_resume_matches(straight_dir, resumed_dir):
+    a = torch.load(straight_dir / "final_params_straight.pt")
+    b = torch.load(resumed_dir / "final_params_resume.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    logs_a = json.loads((straight_dir / "logs_straight.json").read_text())
+    logs_b = json.loads((resumed_dir / "logs_resume.json").read_text())
+    assert len(logs_a) == len(logs_b) == 6
+    for la, lb in zip(logs_a[3:], logs_b[3:]):
+        assert {k: v for k, v in la.items() if k != "eps"} == {k: v for k, v in lb.items() if k != "eps"}
+
+
+@pytest.mark.slow
+def test_sigkill_during_update_4_then_resume_matches_a_straight_run(tmp_path, straight_run):
+    killed = _run(tmp_path, "killed")
     assert killed.returncode == -9, killed.stderr[-4000:]  # SIGKILL
     assert (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").exists()
     resumed = _run(tmp_path, "resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    a = torch.load(tmp_path / "final_params_straight.pt")
-    b = torch.load(tmp_path / "final_params_resume.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    logs_a = json.loads((tmp_path / "logs_straight.json").read_text())
-    logs_b = json.loads((tmp_path / "logs_resume.json").read_text())
-    assert len(logs_a) == len(logs_b) == 6
-    for la, lb in zip(logs_a[3:], logs_b[3:]):
-        assert {k: v for k, v in la.items() if k != "eps"} == {k: v for k, v in lb.items() if k != "eps"}
+    _assert_resume_matches(straight_run, tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_during_update_4_exits_0_with_a_checkpoint_that_resumes_exactly(tmp_path, straight_run):
+    preempted = _run(tmp_path, "preempted")  # a real SIGTERM after update 4's first optimizer step
+    assert preempted.returncode == 0, preempted.stderr[-4000:]
+    assert "SIGTERM received" in preempted.stderr
+    ckpt = tmp_path / "out" / "checkpoint-3-preempted"
+    assert (ckpt / "trainer_state.json").exists() and (ckpt / "inflight_update_0.pt").exists()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["stop_reason"] == "preempted"
+    manifest = json.loads((tmp_path / "out" / "run_manifest.json").read_text())
+    assert (manifest["status"], manifest["stop_reason"]) == ("preempted", "preempted")
+    resumed = _run(tmp_path, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    _assert_resume_matches(straight_run, tmp_path)
+
+
+def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_path, caplog):
+    import logging
+
+    first = _trainer(tmp_path, total_episodes=8, save_strategy="steps", save_steps=1, adaptive_kl=True,
+                     kl_target=0.01, kl_horizon=100)
+    first.train()
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    # Pretend 2 processes wrote it: 8 prompts per update, 1 batch of the epoch consumed.
+    state = json.loads((ckpt / "ppo_state.json").read_text())
+    state.update(world_size=2, batch_size=8, data_cursor={"epoch": 0, "batches": 1})
+    (ckpt / "ppo_state.json").write_text(json.dumps(state))
+    resumed = _trainer(tmp_path, total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.run_state"):
+        resumed._load_checkpoint(str(ckpt))
+    assert any("2 process(es) and this run has 1" in r.getMessage() and "NOT bit-exact" in r.getMessage()
+               for r in caplog.records)
+    saved = torch.load(ckpt / "trainable_state.pt")
+    now = _params(resumed)
+    assert saved.keys() == now.keys() and all(torch.equal(saved[k], now[k]) for k in saved)
+    moments = torch.load(ckpt / "optimizer.pt", weights_only=False)["state"]
+    loaded = resumed.optimizer.state_dict()["state"]
+    assert moments.keys() == loaded.keys() and all(
+        torch.equal(moments[i]["exp_avg"], loaded[i]["exp_avg"]) for i in moments)
+    assert resumed.kl_controller.value == first.kl_controller.value != 0.05  # adapted, then carried over
+    assert resumed.state.global_step == 2 and resumed._nonfinite_steps == first._nonfinite_steps
+    # 1 batch x 8 prompts consumed of epoch 0; here a batch is 4 prompts: continue at batch 8 / 4 = 2
+    assert resumed._data_cursor == {"epoch": 0, "batches": 2}
+    again = _trainer(tmp_path, total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
+    again.train(resume_from_checkpoint=str(ckpt))  # and it trains on (random streams re-seeded)
+    assert again.state.global_step == 4
+
+
+def test_deepspeed_checkpoints_refuse_another_setup_by_name():
+    from types import SimpleNamespace
+
+    from trl_ppo_ext.run_state import CheckpointMixin
+
+    def run(world, stage):
+        plugin = None if stage is None else SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}})
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=world, state=SimpleNamespace(
+            deepspeed_plugin=plugin)), is_deepspeed_enabled=stage is not None)
+
+    zero2 = {"world_size": 2, "optimizer_format": "deepspeed", "zero_stage": 2}
+    assert CheckpointMixin._check_resume_topology(run(2, 2), "ck", zero2) is True
+    with pytest.raises(ValueError, match=r"written by 2 DeepSpeed process\(es\) and this run has 4.*--num_processes 2"):
+        CheckpointMixin._check_resume_topology(run(4, 2), "ck", zero2)
+    with pytest.raises(ValueError, match="written under DeepSpeed ZeRO-2 and this run runs without DeepSpeed"):
+        CheckpointMixin._check_resume_topology(run(2, None), "ck", zero2)
+    with pytest.raises(ValueError, match="written under DeepSpeed ZeRO-2 and this run runs under DeepSpeed ZeRO-3"):
+        CheckpointMixin._check_resume_topology(run(2, 3), "ck", zero2)
+    plain = {"world_size": 2, "optimizer_format": "torch", "zero_stage": None}
+    with pytest.raises(ValueError, match="written without DeepSpeed and this run runs under DeepSpeed ZeRO-2"):
+        CheckpointMixin._check_resume_topology(run(2, 2), "ck", plain)

@@ -5,6 +5,7 @@ reward heads compute in fp32 under autocast, half-precision trainable weights ar
 import json
 import logging
 
+import pytest
 import torch
 from peft import LoraConfig
 
@@ -86,3 +87,34 @@ def test_half_precision_trainable_weights_are_warned_about(tmp_path, caplog):
                    reward_model=reward, value_model=value, train_dataset=prompt_dataset(tok))
     assert any("torch.bfloat16" in r.getMessage() and "torch_dtype=torch.float32" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs bf16 CUDA")
+@pytest.mark.parametrize("shared", [False, True])
+def test_bf16_old_and_reference_logprobs_agree_exactly_when_the_models_do(tmp_path, shared):
+    """Under bf16 autocast on CUDA, the old policy and a reference equal to it (a separate copy,
+    or the disabled LoRA adapter, whose B starts at 0) give the same log-probs to the bit: one
+    precision context for every forward, so the initial KL is 0, not bf16 noise."""
+    tok = build_tiny_tokenizer()
+    if shared:
+        trainer = PPOTrainer(args=tiny_config(tmp_path, bf16=True, total_episodes=4), processing_class=tok,
+                             model=build_tiny_causal_lm(tok), ref_model=None, reward_model=build_tiny_scorer(tok),
+                             value_model=None, train_dataset=prompt_dataset(tok), peft_config=LoraConfig(**LORA))
+    else:
+        trainer = _separate(tmp_path, bf16=True, total_episodes=4)
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.device.type == "cuda"
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    mask = rollout.response_mask
+    assert mask.any()
+    assert torch.equal(rollout.logprobs[mask], rollout.ref_logprobs[mask])
+    # and bf16 really was in effect: fp32 log-probs of the same tokens differ, a little
+    with torch.autocast("cuda", enabled=False):
+        from trl_ppo_ext.rollout import sequence_inputs
+
+        inputs = sequence_inputs(rollout.queries, rollout.query_mask, rollout.responses, mask)
+        logits, _ = trainer.unwrapped(*inputs[:2], position_ids=inputs[2], logits_to_keep=mask.shape[1] + 1)
+    fp32 = torch.log_softmax(logits[:, :-1].float() / trainer.temperature, -1).gather(
+        -1, rollout.valid_responses.unsqueeze(-1)).squeeze(-1)
+    gap = (fp32[mask] - rollout.logprobs[mask]).abs().max().item()
+    assert 0 < gap < 0.5, gap

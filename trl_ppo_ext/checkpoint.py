@@ -38,7 +38,10 @@ COMPLETE_MARKER = "trainer_state.json"
 REQUIRED_FILES: tuple[str, ...] = (COMPLETE_MARKER,)
 TEMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-_CHECKPOINT_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
+# ``checkpoint-<step>-preempted``: written on SIGTERM between two optimizer steps of update
+# <step> + 1; it holds that update's progress and counts as newer than ``checkpoint-<step>``.
+PREEMPTED_SUFFIX = "-preempted"
+_CHECKPOINT_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)({re.escape(PREEMPTED_SUFFIX)})?$")
 _RESUME_HINT = (
     "Pass an earlier checkpoint, or resume_from_checkpoint=True to pick the latest complete one."
 )
@@ -193,9 +196,15 @@ def clean_temp_dirs(output_dir: str | os.PathLike) -> list[str]:
 
 # ---------------------------------------------------------------------- finding checkpoints
 def checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The ``<step>`` of a ``checkpoint-<step>`` folder name, else None (temp folders included)."""
+    """The ``<step>`` of a ``checkpoint-<step>`` (or ``checkpoint-<step>-preempted``) folder
+    name, else None (temp folders and ``-halted`` ones included)."""
     match = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
     return int(match.group(1)) if match else None
+
+
+def _checkpoint_order(name: str) -> tuple[int, bool]:
+    """Sort key: the step, then a preempted checkpoint after the plain one of the same step."""
+    return checkpoint_step(name), name.endswith(PREEMPTED_SUFFIX)
 
 
 def is_complete(path: str | os.PathLike, required_files: Iterable[str] = REQUIRED_FILES) -> bool:
@@ -204,15 +213,15 @@ def is_complete(path: str | os.PathLike, required_files: Iterable[str] = REQUIRE
 
 
 def list_checkpoints(output_dir: str | os.PathLike, required_files: Iterable[str] = REQUIRED_FILES) -> list[str]:
-    """Complete ``checkpoint-<step>`` folders in ``output_dir``, oldest (lowest step) first."""
+    """Complete ``checkpoint-<step>`` folders in ``output_dir``, oldest (lowest step) first; a
+    ``checkpoint-<step>-preempted`` comes right after ``checkpoint-<step>``."""
     if not os.path.isdir(output_dir):
         return []
     required = tuple(required_files)
     found = []
     for entry in os.scandir(output_dir):
-        step = checkpoint_step(entry.name)
-        if step is not None and is_complete(entry.path, required):
-            found.append((step, entry.path))
+        if checkpoint_step(entry.name) is not None and is_complete(entry.path, required):
+            found.append((_checkpoint_order(entry.name), entry.path))
     return [path for _, path in sorted(found)]
 
 

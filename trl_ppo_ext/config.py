@@ -63,6 +63,12 @@ class PPOConfig(PPOConfigBase, GuardSettings):
             Discard and regenerate a rollout sampled more than this many updates ago (policy
             lag). ``None``: no limit. The synchronous trainer's rollouts have age 0; the limit
             matters for asynchronous rollout producers (override ``produce_rollout``).
+        on_sigterm (`"save_and_exit"`, `"save_and_return"` or `"off"`, defaults to `"save_and_exit"`):
+            What SIGTERM (a cluster's or spot machine's notice before it kills the job) does during
+            ``train()``: finish the current optimizer step, write a complete checkpoint (whatever
+            ``save_strategy``), record ``stop_reason="preempted"``, then exit with status 0
+            (``"save_and_exit"``) or return from ``train()`` (``"save_and_return"``). ``"off"``
+            leaves SIGTERM's handling alone.
     """
 
     entropy_coef: float = field(
@@ -125,6 +131,14 @@ class PPOConfig(PPOConfigBase, GuardSettings):
         },
     )
 
+    on_sigterm: Literal["save_and_exit", "save_and_return", "off"] = field(
+        default="save_and_exit",
+        metadata={
+            "help": "On SIGTERM during train(): finish the optimizer step, checkpoint, record stop_reason="
+            "'preempted', then exit 0 ('save_and_exit') or return ('save_and_return'); 'off' leaves SIGTERM alone."
+        },
+    )
+
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
         return GuardSettings(**{f.name: getattr(self, f.name) for f in fields(GuardSettings)})
@@ -163,6 +177,10 @@ class PPOConfig(PPOConfigBase, GuardSettings):
         if self.cliprange_value is not None and self.cliprange_value <= 0:
             raise ValueError(
                 f"PPOConfig.cliprange_value must be > 0 or None (no value clipping), got {self.cliprange_value}."
+            )
+        if self.on_sigterm not in ("save_and_exit", "save_and_return", "off"):
+            raise ValueError(
+                f"PPOConfig.on_sigterm must be 'save_and_exit', 'save_and_return' or 'off', got {self.on_sigterm!r}."
             )
         if self.entropy_coef < 0:
             raise ValueError(f"PPOConfig.entropy_coef must be >= 0, got {self.entropy_coef}.")

@@ -36,7 +36,7 @@ from .checkpoint import load_json, save_json
 
 MANIFEST_FILENAME = "run_manifest.json"
 FORMAT_VERSION = 1
-FINAL_STATUSES = ("completed", "halted", "failed", "interrupted")
+FINAL_STATUSES = ("completed", "halted", "failed", "interrupted", "preempted")  # preempted: SIGTERM, checkpointed
 # Models whose parameters take at most this many bytes are hashed in full; larger ones by
 # a strided sample (hashing every byte of a 7B model would take tens of seconds).
 FULL_HASH_MAX_BYTES = 256 * 2**20

@@ -41,7 +41,8 @@ def scalar_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     its weights or the surrounding mixed precision: values and scores are regression outputs
     whose bf16 rounding (~0.4% of their size) would show in the value loss and the advantages.
     The shared actor-critic's value head follows the same rule. Other heads (quantized,
-    wrapped) run as they are.
+    wrapped) run as they are, and so does a head partitioned by DeepSpeed ZeRO-3: only its own
+    forward gathers its weight (in the precision DeepSpeed keeps it in).
     """
     head = getattr(model, "score", None)
     if head is None:
@@ -49,7 +50,7 @@ def scalar_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
             f"{type(model).__name__} has no `score` head. The reward and value models must be "
             "AutoModelForSequenceClassification models with num_labels=1."
         )
-    if type(head) is nn.Linear:
+    if type(head) is nn.Linear and not hasattr(head.weight, "ds_id"):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             bias = None if head.bias is None else head.bias.float()
             out = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)

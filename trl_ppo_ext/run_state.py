@@ -4,12 +4,22 @@ A checkpoint ``<output_dir>/checkpoint-<step>`` holds, written atomically (temp 
 rename; see ``checkpoint.atomic_checkpoint_dir``):
 
 - the inference export of ``save_model`` (policy or adapter, value head when shared);
-- ``trainable_state.pt``: every trainable parameter of the policy/value module (exact);
-- ``optimizer.pt``, ``scheduler.pt``;
-- ``ppo_state.json``: KL controller, guard counters, data cursor (epoch, batches consumed);
+- ``trainable_state.pt``: every trainable parameter of the policy/value module (exact;
+  gathered from the shards under ZeRO-3);
+- ``optimizer.pt``, or under DeepSpeed ``deepspeed/``: DeepSpeed's own checkpoint, whose
+  optimizer state (and fp32 master weights) each process writes for its shard; ``scheduler.pt``;
+- ``ppo_state.json``: KL controller, guard counters, data cursor (epoch, batches consumed),
+  the number of processes and the optimizer's format;
 - ``rng_state_<process>.pth``: Python, NumPy, torch CPU/CUDA generators of each process;
+- ``inflight_update_<process>.pt`` only in ``checkpoint-<step>-preempted``: the update a
+  SIGTERM interrupted (see ``preemption.InflightUpdate``);
 - ``trainer_state.json`` (written last: its presence marks a complete checkpoint) with the
   global step, episode count and log history.
+
+A checkpoint resumes bit for bit on the same number of processes. On another number it
+resumes with a warning (weights, optimizer, scheduler, KL controller and counters carry
+over; data order and random streams are re-derived), except under DeepSpeed, whose optimizer
+shards belong to their process count.
 
 ``CheckpointMixin`` is mixed into ``PPOTrainer``; it reads the trainer's attributes
 (``accelerator``, ``optimizer``, ``lr_scheduler``, ``kl_controller``, ``guards``, ``state``).
@@ -17,18 +27,32 @@ rename; see ``checkpoint.atomic_checkpoint_dir``):
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import random
 
 import torch
 
 from . import checkpoint as ckpt
 from . import manifest as mf
+from .distributed import full_state, zero_stage
+from .preemption import InflightUpdate, inflight_filename
+
+logger = logging.getLogger(__name__)
 
 TRAINABLE_STATE = "trainable_state.pt"
 OPTIMIZER = "optimizer.pt"
+DEEPSPEED_STATE = "deepspeed"  # DeepSpeed's checkpoint tag (a folder) inside a checkpoint
 SCHEDULER = "scheduler.pt"
 PPO_STATE = "ppo_state.json"
-CHECKPOINT_FILES = (ckpt.COMPLETE_MARKER, PPO_STATE, TRAINABLE_STATE, OPTIMIZER)
+# The optimizer's state is optimizer.pt or deepspeed/ (ppo_state.json says which), checked on load.
+CHECKPOINT_FILES = (ckpt.COMPLETE_MARKER, PPO_STATE, TRAINABLE_STATE)
+
+
+def _setup_name(optimizer_format: str, stage: int | None) -> str:
+    """How a run keeps its optimizer state, in words: "under DeepSpeed ZeRO-2", "without DeepSpeed"."""
+    return f"under DeepSpeed ZeRO-{stage}" if optimizer_format == DEEPSPEED_STATE else "without DeepSpeed"
 
 
 class CheckpointMixin:
@@ -48,9 +72,10 @@ class CheckpointMixin:
         suffix = str(step) if self.accelerator.num_processes > 1 else None
         with ckpt.atomic_checkpoint_dir(final, suffix=suffix, commit=is_main) as tmp:
             self.save_model(tmp, _internal_call=True)
-            if is_main:
-                self._save_training_state(tmp)
+            self._save_training_state(tmp)  # every process: ZeRO gathers and DeepSpeed's save are collective
             ckpt.save_rng_state(tmp, self.accelerator.process_index)
+            if getattr(self, "_inflight", None) is not None:
+                self._inflight.save(os.path.join(tmp, inflight_filename(self.accelerator.process_index)))
             self.accelerator.wait_for_everyone()
             if is_main:
                 self.state.save_to_json(os.path.join(tmp, ckpt.COMPLETE_MARKER))
@@ -63,10 +88,20 @@ class CheckpointMixin:
         return final
 
     def _save_training_state(self, directory: str) -> None:
+        """Trainable weights, optimizer, scheduler and PPO state. Every process calls it: under
+        ZeRO-3 the weights are gathered (one parameter at a time) and under DeepSpeed each
+        process writes its optimizer shard; the main process writes the rest."""
+        is_main = self.accelerator.is_main_process
         unwrapped = self.accelerator.unwrap_model(self.model)
-        trainable = {k: v.detach().cpu() for k, v in unwrapped.named_parameters() if v.requires_grad}
+        trainable = full_state(((k, v) for k, v in unwrapped.named_parameters() if v.requires_grad), keep=is_main)
+        if self.is_deepspeed_enabled:
+            self.model.save_checkpoint(directory, tag=DEEPSPEED_STATE, save_latest=False,
+                                       exclude_frozen_parameters=True)
+        if not is_main:
+            return
         torch.save(trainable, os.path.join(directory, TRAINABLE_STATE))
-        torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
+        if not self.is_deepspeed_enabled:
+            torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
         torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER))
         ckpt.save_json(os.path.join(directory, PPO_STATE), {
             "kl_controller": self.kl_controller.state_dict(),
@@ -74,6 +109,9 @@ class CheckpointMixin:
             "data_cursor": dict(self._data_cursor),
             "counters": {"stale_discarded": self._stale_discarded, "nonfinite_steps": self._nonfinite_steps},
             "world_size": self.accelerator.num_processes,
+            "batch_size": self.args.batch_size,
+            "optimizer_format": DEEPSPEED_STATE if self.is_deepspeed_enabled else "torch",
+            "zero_stage": zero_stage(self.accelerator),
         })
 
     # ------------------------------------------------------------------ resume
@@ -98,18 +136,16 @@ class CheckpointMixin:
         try:
             ppo_state = ckpt.load_json(os.path.join(path, PPO_STATE))
             trainable = torch.load(os.path.join(path, TRAINABLE_STATE), map_location="cpu", weights_only=True)
-            optimizer_state = torch.load(os.path.join(path, OPTIMIZER), map_location="cpu", weights_only=False)
+            optimizer_state = None
+            if ppo_state.get("optimizer_format", "torch") == "torch":
+                optimizer_state = torch.load(os.path.join(path, OPTIMIZER), map_location="cpu", weights_only=False)
             scheduler_state = torch.load(os.path.join(path, SCHEDULER), map_location="cpu", weights_only=False)
         except Exception as err:  # torch/pickle/json raise many kinds for a damaged file
             raise ValueError(
                 f"Checkpoint {path!r} could not be read ({type(err).__name__}: {err}). It is damaged or was not "
                 "written by trl_ppo_ext; resume from another checkpoint or start a new run."
             ) from err
-        if ppo_state.get("world_size") != self.accelerator.num_processes:
-            raise ValueError(
-                f"Checkpoint {path!r} was written by {ppo_state.get('world_size')} process(es), this run has "
-                f"{self.accelerator.num_processes}. Exact resume needs the same number of processes."
-            )
+        exact = self._check_resume_topology(path, ppo_state)
         unwrapped = self.accelerator.unwrap_model(self.model)
         params = dict(unwrapped.named_parameters())
         missing = [k for k, p in params.items() if p.requires_grad and k not in trainable]
@@ -118,24 +154,102 @@ class CheckpointMixin:
                 f"Checkpoint {path!r} does not match this model: {len(missing)} trainable parameter(s) are missing "
                 f"(first: {missing[0]!r}). Resume with the same model set-up (LoRA config, shared or separate value)."
             )
-        with torch.no_grad():
-            for name, value in trainable.items():
-                params[name].copy_(value.to(params[name].device))
-        self.optimizer.load_state_dict(optimizer_state)
+        if self.is_deepspeed_enabled:
+            self._load_deepspeed_state(path)  # weights (with fp32 masters) and optimizer shards
+        else:
+            with torch.no_grad():
+                for name, value in trainable.items():
+                    params[name].copy_(value.to(params[name].device))
+            self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(scheduler_state)
         self.kl_controller.load_state_dict(ppo_state["kl_controller"])
         self.guards.load_state_dict(ppo_state["guards"])
         self._data_cursor = dict(ppo_state["data_cursor"])
+        if not exact:
+            self._data_cursor = self._rederive_cursor(ppo_state)
         self._stale_discarded = ppo_state["counters"]["stale_discarded"]
         self._nonfinite_steps = ppo_state["counters"]["nonfinite_steps"]
+        self._load_inflight(path, exact)
         resumed = type(self.state).load_from_json(os.path.join(path, ckpt.COMPLETE_MARKER))
         for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos"):
             setattr(self.state, field_name, getattr(resumed, field_name))
-        self._resume_path = path
+        self._resume_path, self._resume_exact = path, exact
+
+    def _check_resume_topology(self, path: str, ppo_state: dict) -> bool:
+        """Whether the checkpoint resumes bit for bit here (same number of processes).
+
+        Raises ``ValueError`` where it cannot resume at all: DeepSpeed's optimizer shards read by
+        a run without DeepSpeed (or the reverse), by another ZeRO stage or another process count.
+        """
+        saved_world, world = ppo_state.get("world_size"), self.accelerator.num_processes
+        saved_format = ppo_state.get("optimizer_format", "torch")
+        here = DEEPSPEED_STATE if self.is_deepspeed_enabled else "torch"
+        saved_setup = _setup_name(saved_format, ppo_state.get("zero_stage"))
+        setup = _setup_name(here, zero_stage(self.accelerator))
+        if saved_setup != setup:
+            raise ValueError(
+                f"Checkpoint {path!r} was written {saved_setup} and this run runs {setup}: the optimizer state is "
+                "stored differently. Resume with the accelerate config the checkpoint was written with."
+            )
+        if saved_world == world:
+            return True
+        if here == DEEPSPEED_STATE:
+            raise ValueError(
+                f"Checkpoint {path!r} was written by {saved_world} DeepSpeed process(es) and this run has {world}: "
+                "ZeRO's optimizer state is sharded by process count. Resume with --num_processes "
+                f"{saved_world}."
+            )
+        logger.warning(
+            "Checkpoint %r was written by %s process(es) and this run has %d: resuming with its trainable weights, "
+            "optimizer state, scheduler, KL controller and counters, but NOT bit-exact: the data order within the "
+            "epoch and every random stream are re-derived for %d process(es).", path, saved_world, world, world,
+        )
+        return False
+
+    def _rederive_cursor(self, ppo_state: dict) -> dict:
+        """The data cursor for another process count: the first batch that starts at or after
+        the prompts of the epoch the checkpoint had consumed (a few may be skipped, none repeated)."""
+        cursor = ppo_state["data_cursor"]
+        saved_batch = ppo_state.get("batch_size") or self.plan.local_batch_size * ppo_state["world_size"]
+        consumed = cursor["batches"] * saved_batch
+        return {"epoch": cursor["epoch"], "batches": math.ceil(consumed / self.plan.batch_size)}
+
+    def _load_deepspeed_state(self, path: str) -> None:
+        """DeepSpeed's own checkpoint: module weights, fp32 masters and this process's optimizer shard."""
+        loaded, _ = self.model.load_checkpoint(path, tag=DEEPSPEED_STATE, load_module_strict=False,
+                                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise ValueError(
+                f"Checkpoint {path!r} has no readable DeepSpeed state in {DEEPSPEED_STATE}/ for process "
+                f"{self.accelerator.process_index}; it is incomplete or damaged. Resume from another checkpoint."
+            )
+
+    def _load_inflight(self, path: str, exact: bool) -> None:
+        """The update a preempted checkpoint stopped in, continued by the first resumed update."""
+        self._resume_inflight = None
+        file = os.path.join(path, inflight_filename(self.accelerator.process_index))
+        if not os.path.exists(file):
+            return
+        if not exact:
+            logger.warning("Checkpoint %r stopped inside an update; with another number of processes its "
+                           "remaining optimizer steps are dropped and a new update starts.", path)
+            return
+        self._resume_inflight = InflightUpdate.load(file, self.accelerator.device)
 
     def _restore_rng(self) -> None:
-        if getattr(self, "_resume_path", None):
+        """Every random generator as the checkpoint left it; re-seeded (from the seed, the process
+        and the step) when the checkpoint came from another number of processes."""
+        if not getattr(self, "_resume_path", None):
+            return
+        if getattr(self, "_resume_exact", True):
             ckpt.load_rng_state(self._resume_path, self.accelerator.process_index)
+            return
+        import numpy as np
+
+        seed = self.local_seed + 7919 * self.state.global_step
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
 
     # ------------------------------------------------------------------ manifest
     def _manifest_path(self) -> str:

@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
@@ -40,10 +40,12 @@ from .batching import BatchPlan
 from .checkpoint import clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
+from .distributed import configure_deepspeed, gathered, prepare_frozen_model, process_state
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .offload import on_device
 from .policy_value import PolicyAndValue, lm_logits, score_at
+from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .rewards import build_rewards, call_functions, combine_scores, values_and_mask
 from .run_state import CheckpointMixin
@@ -270,6 +272,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self._data_cursor = {"epoch": 0, "batches": 0}
         self._protected_checkpoints: set[str] = set()
         self._stale_discarded = self._nonfinite_steps = self._rollout_age = 0
+        self._sigterm = SigtermWatcher("off")  # train() installs the configured one
+        self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
+        self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
 
     # ------------------------------------------------------------------ set-up
     def _check_inputs(self, model, ref_model, train_dataset, processing_class) -> None:
@@ -436,7 +441,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         # One optimizer step per mini-batch, counted by accelerate independently of any
         # dataloader: with `sync_with_dataloader` (the default) accelerate forces a step on every
         # micro-batch while the train loader sits on its last batch, i.e. at every epoch end.
-        plan = BatchPlan.from_config(args, PartialState().num_processes, self.train_dataset_len)
+        plan = BatchPlan.from_config(args, process_state().num_processes, self.train_dataset_len)
         self.accelerator = Accelerator(
             cpu=bool(getattr(args, "use_cpu", False)),
             mixed_precision=_mixed_precision(args),
@@ -444,6 +449,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 num_steps=plan.micro_batches_per_mini_batch, sync_with_dataloader=False, adjust_scheduler=False
             ),
         )
+        if getattr(self.accelerator.state, "deepspeed_plugin", None) is not None:
+            configure_deepspeed(self.accelerator, args, plan)  # the engine steps and clips as the plan says
         self.plan = plan
         plan.fill_config(args)
         if self.train_dataset_len < plan.local_batch_size:
@@ -535,7 +542,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         training device, or on the CPU when ``offloaded`` on CUDA."""
         model.eval().requires_grad_(False)
         if self.is_deepspeed_enabled:
-            return prepare_deepspeed(model, self.accelerator)
+            return prepare_frozen_model(model, self.accelerator, prepare_deepspeed)
         cuda = self.accelerator.device.type == "cuda"
         if offloaded and not cuda:
             logger.info("%s offload has no effect without a CUDA device; it stays on %s.", name,
@@ -589,13 +596,10 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """
         self._begin_training(resume_from_checkpoint)
         status, reason = "completed", None
+        self._sigterm = SigtermWatcher(self.args.on_sigterm)
         try:
-            while self.state.global_step < self.args.num_total_batches:
-                decision = self.run_update(self.state.global_step + 1)
-                if decision.halt:
-                    status, reason = "halted", decision.message
-                    self._halt(decision)
-                    break
+            with self._sigterm:
+                status, reason = self._train_loop()
         except KeyboardInterrupt:
             status, reason = "interrupted", "KeyboardInterrupt"
             raise
@@ -607,14 +611,47 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self.state.stop_reason = reason
         # Checkpoints were written at the end of each update that asked for one; none twice.
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        if status == PREEMPTED and self.args.on_sigterm == "save_and_exit":
+            self.accelerator.print("Preempted (SIGTERM): checkpoint written, exiting with status 0.")
+            raise SystemExit(0)
+
+    def _train_loop(self) -> tuple[str, str | None]:
+        """Updates until ``num_total_batches``, a guard's halt or SIGTERM; ``(status, reason)``."""
+        while self.state.global_step < self.args.num_total_batches:
+            try:
+                decision = self.run_update(self.state.global_step + 1)
+            except UpdatePreempted:  # between two optimizer steps: the update's remainder is saved
+                self._checkpoint_preempted(inflight=True)
+                return PREEMPTED, PREEMPTED
+            if decision.halt:
+                self._halt(decision)
+                return "halted", decision.message
+            if self.state.global_step < self.args.num_total_batches and self._sigterm.stop_agreed(self.accelerator):
+                self._checkpoint_preempted(inflight=False)
+                return PREEMPTED, PREEMPTED
+        return "completed", None
+
+    def _checkpoint_preempted(self, inflight: bool) -> None:
+        """Record the preemption and write a complete checkpoint (whatever ``save_strategy``):
+        ``checkpoint-<step>`` at an update boundary, else ``checkpoint-<step>-preempted`` holding
+        the update in progress (resumed first by ``resume_from_checkpoint=True``)."""
+        self.state.stop_reason = PREEMPTED
+        name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}" + (ckpt.PREEMPTED_SUFFIX if inflight else "")
+        self._save_checkpoint(self.model, folder_name=name)  # replaces a save_steps checkpoint of this step
+        self._inflight = None
+        logger.warning("SIGTERM: stopped after update %d%s; checkpoint %s written.", self.state.global_step,
+                       " and part of the next one" if inflight else "", name)
 
     def run_update(self, update: int) -> GuardDecision:
         """One PPO update; returns the guards' decision (``halt`` ends the run)."""
         self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-        rollout = self.collect_rollout(update)
-        if isinstance(rollout, GuardDecision):
-            return rollout
-        advantages = self.compute_advantages(rollout)
+        if self._resume_inflight is None:
+            rollout = self.collect_rollout(update)
+            if isinstance(rollout, GuardDecision):
+                return rollout
+            advantages = self.compute_advantages(rollout)
+        else:  # the update a preempted run stopped in: its rollout, continued where it stopped
+            rollout, advantages = self._resumed_rollout()
         update_stats, decision = self.ppo_update(rollout, advantages, update)
         metrics = self.update_metrics(rollout, advantages, update_stats)
         if self._evaluation_due(update):
@@ -896,15 +933,43 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         Returns per-micro-batch statistics stacked as ``(n,)`` tensors, and the nonfinite
         guard's decision (``halt`` stops the update at once).
         """
-        stats = defaultdict(list)
+        start, self._resume_inflight = self._resume_inflight, None  # set when resuming a preempted update
+        stats = defaultdict(list, start.stats if start else {})
         decision = GuardDecision.keep_going({})
-        for _ in range(self.plan.num_ppo_epochs):
-            order = torch.randperm(rollout.batch_size, device=rollout.responses.device)
-            for rows in self.plan.mini_batch_slices():
-                decision = self._minibatch_step(rollout, adv, order[rows], update, stats)
+        slices = self.plan.mini_batch_slices()
+        for epoch in range(start.epoch if start else 0, self.plan.num_ppo_epochs):
+            resuming = start is not None and epoch == start.epoch and start.order is not None
+            order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
+            for index in range(start.mini_batch if resuming else 0, len(slices)):
+                decision = self._minibatch_step(rollout, adv, order[slices[index]], update, stats)
                 if decision.halt:
                     return _stack_stats(stats), decision
+                self._stop_if_preempted(rollout, adv, (epoch, index), order, stats)
         return _stack_stats(stats), decision
+
+    def _stop_if_preempted(self, rollout, adv, position: tuple[int, int], order, stats) -> None:
+        """After an optimizer step that is not the update's last: raise ``UpdatePreempted`` once
+        every process agrees a SIGTERM came, keeping where the update stopped in ``_inflight``."""
+        epoch, index = position
+        per_epoch = len(self.plan.mini_batch_slices())
+        if (epoch, index) == (self.plan.num_ppo_epochs - 1, per_epoch - 1):
+            return  # the update's steps are done: it finishes, and the loop checks at its end
+        if not self._sigterm.stop_agreed(self.accelerator):
+            return
+        next_epoch, next_index = (epoch, index + 1) if index + 1 < per_epoch else (epoch + 1, 0)
+        self._inflight = InflightUpdate(
+            rollout={f.name: getattr(rollout, f.name) for f in fields(rollout)},
+            advantages={f.name: getattr(adv, f.name) for f in fields(adv)},
+            epoch=next_epoch, mini_batch=next_index, order=order if next_epoch == epoch else None,
+            stats={k: list(v) for k, v in stats.items()}, rollout_age=self._rollout_age,
+        )
+        raise UpdatePreempted(f"SIGTERM after PPO epoch {epoch}, mini-batch {index}")
+
+    def _resumed_rollout(self) -> tuple[Rollout, Advantages]:
+        """The rollout and advantages of the update a preempted checkpoint stopped in."""
+        inflight = self._resume_inflight
+        self._rollout_age = inflight.rollout_age
+        return Rollout(**inflight.rollout), Advantages(**inflight.advantages)
 
     def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
         """Accumulate gradients over the mini-batch's micro-batches, then step once if finite.
@@ -914,8 +979,10 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         mean however the mini-batch is cut into micro-batches and processes.
         """
         accelerator = self.accelerator
-        # accelerate divides each backward by the accumulation steps and DDP averages over
-        # processes; both are undone so the sums below add up to the mini-batch token mean.
+        # accelerate (or, under DeepSpeed, the engine: its gradient_accumulation_steps is set to
+        # the same number by `distributed.configure_deepspeed`) divides each backward by the
+        # accumulation steps, and DDP (ZeRO's reduce) averages over processes; both are undone
+        # so the sums below add up to the mini-batch token mean.
         num_tokens = rollout.response_mask[mini].sum().float().reshape(1)
         if accelerator.num_processes > 1:
             num_tokens = accelerator.reduce(num_tokens, reduction="sum")
@@ -940,10 +1007,15 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """The optimizer step, unless any process saw a NaN/inf loss or gradient norm.
 
         One scalar crosses to the host per optimizer step (the guard needs the answer).
+        Under DeepSpeed the engine has already stepped inside ``backward`` (``step``/``zero_grad``
+        below are no-ops there); it skips a step itself when the gradient norm is not finite.
         """
         bad = torch.maximum(nonfinite_loss, (~torch.isfinite(grad_norm)).float()).reshape(1)
         bad = self.accelerator.reduce(bad, reduction="sum") if self.accelerator.num_processes > 1 else bad
         if bad.item() > 0:
+            if self.is_deepspeed_enabled and not self.optimizer.step_was_skipped:
+                logger.warning("Update %d: DeepSpeed applied a step whose loss was not finite (its gradients "
+                               "were finite); it is counted as skipped.", update)
             self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
             self._nonfinite_steps += 1
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
@@ -954,6 +1026,15 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return GuardDecision.keep_going({})
 
     def _clip_gradients(self) -> torch.Tensor:
+        """Clip at ``max_grad_norm`` (when set) and return the gradient norm before clipping.
+
+        Under DeepSpeed the engine clipped at the same norm inside ``backward`` (see
+        ``distributed.configure_deepspeed``) and reports the norm it saw (inf when it skipped).
+        """
+        if self.is_deepspeed_enabled:
+            norm = self.accelerator.clip_grad_norm_(None, self.args.max_grad_norm)
+            value = float("nan") if norm is None else float(norm)
+            return torch.tensor(value, dtype=torch.float32, device=self.accelerator.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
@@ -1127,6 +1208,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """Save the policy (or adapter) for inference; a shared actor-critic also saves its value head."""
         output_dir = output_dir or self.args.output_dir
         unwrapped = self.unwrapped
+        if self.is_deepspeed_enabled:
+            return self._save_model_deepspeed(output_dir, _internal_call)
         if getattr(unwrapped, "is_actor_critic", False):
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
@@ -1142,6 +1225,26 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             super().save_model(output_dir, _internal_call)
         finally:
             self.model = wrapped
+
+    def _save_model_deepspeed(self, output_dir: str, _internal_call: bool) -> None:
+        """``save_model`` under DeepSpeed: every process takes part (ZeRO-3 gathers the saved
+        weights: the adapter and value head of a LoRA model, the whole policy of a full
+        fine-tune), the main process writes. TRL/transformers' own DeepSpeed save path expects
+        the engine where TRL puts the bare policy, and fails."""
+        unwrapped = self.unwrapped
+        target = unwrapped if getattr(unwrapped, "is_actor_critic", False) else unwrapped.policy
+        is_adapter = getattr(unwrapped, "is_actor_critic", False) or self.is_peft_model
+        saved = [p for p in target.parameters() if p.requires_grad or not is_adapter]
+        self.accelerator.wait_for_everyone()
+        with gathered(saved):
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                target.save_pretrained(output_dir)
+                self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False):

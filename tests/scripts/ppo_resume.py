@@ -2,6 +2,8 @@
 
     ppo_resume.py OUT straight         6 updates in one go
     ppo_resume.py OUT killed           checkpoints every update, SIGKILLs itself during update 4
+    ppo_resume.py OUT preempted        checkpoints every update, gets SIGTERM during update 4 (after
+                                       its first optimizer step): checkpoints there and exits 0
     ppo_resume.py OUT resume           resumes from the latest checkpoint in OUT, to update 6
 
 Writes OUT/final_params.pt (trainable parameters) and OUT/logs.json (logged metrics).
@@ -29,6 +31,16 @@ class KilledDuringUpdate4(PPOTrainer):
         return super().compute_loss_terms(mb, adv, num_tokens)
 
 
+class PreemptedDuringUpdate4(PPOTrainer):
+    sent = False
+
+    def compute_loss_terms(self, mb, adv, num_tokens=None):
+        if self.state.global_step == 3 and not self.sent:  # inside update 4, before its first step
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal: the handler only sets a flag
+        return super().compute_loss_terms(mb, adv, num_tokens)
+
+
 if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
@@ -39,7 +51,7 @@ if __name__ == "__main__":
         num_ppo_epochs=2, save_strategy="no" if mode == "straight" else "steps", save_steps=1,
         adaptive_kl=True, kl_target=0.01, kl_horizon=100, save_total_limit=3,
     )
-    cls = KilledDuringUpdate4 if mode == "killed" else PPOTrainer
+    cls = {"killed": KilledDuringUpdate4, "preempted": PreemptedDuringUpdate4}.get(mode, PPOTrainer)
     trainer = cls(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                   train_dataset=prompt_dataset(tok, n=10), value_model=value)
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)

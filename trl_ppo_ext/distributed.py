@@ -1,0 +1,161 @@
+"""Running on several processes: the process group of a CPU-only DeepSpeed launch, the
+DeepSpeed settings that PPO owns, ZeRO-3 parameter gathering, and where the frozen models go.
+
+Nothing here imports DeepSpeed unless DeepSpeed is in use: it is an optional extra
+(``pip install trl-ppo-ext[deepspeed]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Accelerators for which accelerate picks a process-group backend itself (accelerate's
+# `PartialState._prepare_backend`); on anything else a DeepSpeed launch gets none.
+_ACCELERATOR_CHECKS = (
+    "is_mlu_available", "is_sdaa_available", "is_musa_available", "is_npu_available", "is_hpu_available",
+    "is_xpu_available", "is_neuron_available", "is_torch_xla_available",
+)
+
+
+def deepspeed_requested() -> bool:
+    """Whether ``accelerate launch`` was asked for DeepSpeed (``distributed_type: DEEPSPEED``)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def launched_world_size() -> int:
+    """Processes the launcher started (``WORLD_SIZE``; 1 for a plain ``python script.py``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _has_device_accelerator() -> bool:
+    """CUDA or any other device accelerate knows a collective backend for."""
+    if torch.cuda.is_available():
+        return True
+    import accelerate.utils as au
+
+    return any(getattr(au, name, lambda: False)() for name in _ACCELERATOR_CHECKS)
+
+
+def needs_gloo_backend() -> bool:
+    """A DeepSpeed launch of several processes on a machine with no device accelerator.
+
+    accelerate chooses no process-group backend there, so every rank believes it is process
+    0 of 1 while DeepSpeed's own group holds them all: data is not sharded, every rank is
+    "main", and the first gather fails (``ProcessGroupGloo::allgather: invalid output tensor
+    list``). GPU runs are left alone: they get NCCL from accelerate.
+    """
+    return deepspeed_requested() and launched_world_size() > 1 and not _has_device_accelerator()
+
+
+def process_state():
+    """accelerate's ``PartialState`` for this run, rebuilt with ``backend="gloo"`` when
+    :func:`needs_gloo_backend` (``TrainingArguments`` already built it without a backend while
+    the config was created; DeepSpeed's process group itself is reused, not re-created)."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    state = PartialState()
+    if needs_gloo_backend() and state.backend is None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        state = PartialState(backend="gloo")
+        logger.info("CPU-only DeepSpeed launch: using the gloo backend (%d processes).", state.num_processes)
+    return state
+
+
+# ---------------------------------------------------------------------- DeepSpeed config
+def zero_stage(accelerator) -> int | None:
+    """The ZeRO stage of a DeepSpeed run, None without DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def configure_deepspeed(accelerator, args, plan) -> None:
+    """Fill the DeepSpeed settings PPO owns and refuse values that contradict the run.
+
+    PPO takes one optimizer step per mini-batch of ``plan.micro_batches_per_mini_batch``
+    micro-batches and clips at ``args.max_grad_norm``; under DeepSpeed the engine does both
+    inside ``backward`` from its config. ``"auto"`` (and absent) values are set from the plan
+    and the config; an explicit different value raises ``ValueError`` naming it.
+    Must run before ``accelerator.prepare``.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    config = plugin.deepspeed_config
+    clip = float(args.max_grad_norm) if args.max_grad_norm else 0.0
+    micro, steps = plan.local_micro_batch_size, plan.micro_batches_per_mini_batch
+    wanted = {
+        "gradient_accumulation_steps": steps,
+        "gradient_clipping": clip,
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": micro * steps * plan.world_size,
+    }
+    for key, value in wanted.items():
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+    fixes = {
+        "gradient_accumulation_steps": "one optimizer step per PPO mini-batch needs it to be the number of "
+        "micro-batches per mini-batch; set it to \"auto\" in the DeepSpeed config",
+        "gradient_clipping": "set it to \"auto\" in the DeepSpeed config (PPOConfig.max_grad_norm is used), "
+        "or make PPOConfig.max_grad_norm match",
+    }
+    for key, fix in fixes.items():
+        if float(config[key]) != float(wanted[key]):
+            raise ValueError(
+                f"The DeepSpeed config has {key}={config[key]!r} but this PPO run needs {wanted[key]!r} "
+                f"(per_device_train_batch_size={args.per_device_train_batch_size}, "
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}, "
+                f"num_mini_batches={args.num_mini_batches}, max_grad_norm={args.max_grad_norm}): {fix}."
+            )
+
+
+# ---------------------------------------------------------------------- ZeRO-3 parameters
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """A parameter partitioned by ZeRO-3 (its ``.data`` is a placeholder outside a gather)."""
+    return hasattr(param, "ds_id")
+
+
+def gathered(params, enabled: bool = True):
+    """Context in which ZeRO-3-partitioned ``params`` hold their full values on every process
+    (a collective: every process must enter it). A no-op for ordinary parameters."""
+    params = [p for p in params if is_zero3_param(p)]
+    if not enabled or not params:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def full_state(named_params, keep: bool) -> dict[str, torch.Tensor]:
+    """``{name: CPU copy}`` of ``named_params``, gathered one at a time under ZeRO-3 (so no
+    process ever holds more than one extra full parameter). Every process must call it;
+    those with ``keep=False`` get an empty dict."""
+    out = {}
+    for name, param in named_params:
+        with gathered([param]):
+            if keep:
+                out[name] = param.detach().cpu().clone()
+    return out
+
+
+# ---------------------------------------------------------------------- frozen models
+def prepare_frozen_model(model: nn.Module, accelerator, prepare_deepspeed) -> nn.Module:
+    """The reference or reward model under DeepSpeed: a DeepSpeed inference engine (ZeRO-3:
+    sharded like the policy, so a reward model larger than one device fits; ZeRO-1/2: an
+    unsharded stage-0 engine with the same precision settings as the trained model, so old
+    and reference log-probs are taken alike), as TRL does. A 4-bit model stays as it is:
+    DeepSpeed cannot shard or cast bitsandbytes weights, and quantized it is small already.
+    """
+    from .quantization import is_4bit_model
+
+    if is_4bit_model(model):
+        logger.info("A 4-bit %s is kept unsharded on its device under DeepSpeed.", type(model).__name__)
+        return model
+    return prepare_deepspeed(model, accelerator)
