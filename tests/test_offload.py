@@ -44,7 +44,7 @@ class Unmovable(nn.Linear):
 @pytest.fixture
 def fresh_log_once(monkeypatch):
     """Forget which one-time messages this process already logged."""
-    monkeypatch.setattr("trl_ppo_ext.quantization._LOGGED", set())
+    monkeypatch.setattr("trl_ppo_ext._utils._LOGGED", set())
 
 
 @pytest.fixture

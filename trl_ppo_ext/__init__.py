@@ -5,7 +5,7 @@
 
 import importlib
 
-__version__ = "0.1.0.dev0"
+from ._version import __version__  # noqa: E402
 
 from ._compat import TRL_MAX, TRL_MIN, check_trl_version  # noqa: E402
 

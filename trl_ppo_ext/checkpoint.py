@@ -19,7 +19,6 @@ RNG functions, so tools (and the crash tests' subprocesses) can load this module
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -29,14 +28,14 @@ import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+
+from ._utils import TEMP_PREFIX, fsync_dir, load_json, save_json  # noqa: F401  (save_json: public here too)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 # Written last by transformers' ``Trainer._save_checkpoint`` (and by our trainer): a
 # checkpoint without it was cut off mid-save.
 COMPLETE_MARKER = "trainer_state.json"
 REQUIRED_FILES: tuple[str, ...] = (COMPLETE_MARKER,)
-TEMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 # ``checkpoint-<step>-preempted``: written on SIGTERM between two optimizer steps of update
 # <step> + 1; it holds that update's progress and counts as newer than ``checkpoint-<step>``.
@@ -47,67 +46,6 @@ _RESUME_HINT = (
 )
 
 
-# ---------------------------------------------------------------------- json
-def save_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically: a temporary file in the same folder, fsync,
-    ``os.replace``. A reader sees the old file or the new one, never a partial one. NaN and
-    inf are written as ``NaN``/``Infinity``, which :func:`load_json` reads back (the guards'
-    state may hold them); use ``manifest.to_jsonable`` first where strict JSON is needed.
-
-    Raises:
-        TypeError: ``obj`` is not JSON-serialisable (nothing is written then).
-    """
-    path = Path(path)
-    text = json.dumps(obj, indent=indent, sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def load_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the file is not valid JSON (cut off by a crash, or damaged); the message
-            names the file and the position.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"No JSON file at {str(path)!r}.") from err
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{str(path)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); it is damaged "
-            "or was cut off while being written."
-        ) from err
-
-
-def _fsync_dir(directory: str | os.PathLike) -> None:
-    """Make a rename inside ``directory`` durable. Best effort: some systems cannot open folders."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
 
 def _fsync_tree(root: str | os.PathLike) -> None:
     """fsync every file under ``root`` and every folder, so a rename cannot expose empty files
@@ -116,7 +54,7 @@ def _fsync_tree(root: str | os.PathLike) -> None:
         for name in files:
             with open(os.path.join(folder, name), "rb") as handle:
                 os.fsync(handle.fileno())
-        _fsync_dir(folder)
+        fsync_dir(folder)
 
 
 # ---------------------------------------------------------------------- atomic folders
@@ -173,7 +111,7 @@ def _replace_dir(new: Path, final: Path) -> None:
         trash = Path(tempfile.mkdtemp(prefix=f"{TRASH_PREFIX}{final.name}-", dir=final.parent))
         os.rename(final, trash / final.name)
     os.rename(new, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import load_json, save_json
+from ._utils import load_json, save_json
 
 MANIFEST_FILENAME = "run_manifest.json"
 FORMAT_VERSION = 1
@@ -302,7 +302,7 @@ def package_versions() -> dict[str, str | None]:
     """Installed versions of TRL, transformers, peft, accelerate, bitsandbytes, torch, datasets
     (None when not installed; read from package metadata, nothing is imported), trl-ppo-ext,
     Python, and the CUDA version torch was built with (None for a CPU build)."""
-    from . import __version__
+    from ._version import __version__
 
     versions: dict[str, str | None] = {}
     for name in PACKAGES:

@@ -34,7 +34,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .quantization import is_4bit_model, log_once, make_4bit_cpu_safe
+from ._utils import log_once
+from .quantization import is_4bit_model, make_4bit_cpu_safe
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ._utils import log_once
+
 logger = logging.getLogger(__name__)
 
 # Loggers under which bitsandbytes reports that the optional hub package ``kernels`` is
@@ -219,14 +221,3 @@ def resolve_compute_dtype(bf16: bool | None, device: str | torch.device) -> torc
             "Pass bf16=False (fp32 compute) or bf16=None to choose automatically."
         )
     return torch.bfloat16 if supported else torch.float32
-
-
-_LOGGED: set[tuple[str, str]] = set()
-
-
-def log_once(log: logging.Logger, level: int, message: str) -> None:
-    """``log.log(level, message)``, at most once per process for the same logger and text."""
-    key = (log.name, message)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.log(level, message)
