@@ -8,7 +8,7 @@ import pytest
 
 import trl_ppo_ext
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(trl_ppo_ext.__path__, "trl_ppo_ext.") if m.name != "trl_ppo_ext.__main__")
+MODULES = sorted(m.name for m in pkgutil.iter_modules(trl_ppo_ext.__path__, "trl_ppo_ext."))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -52,7 +52,8 @@ def test_train_with_peft_config_and_no_ref_model(tmp_path):
     assert trainer.ref_model is None  # the reference is the policy with its adapter disabled
     lora_before = {k: v.clone() for k, v in trainer.policy_model.named_parameters() if "lora_B" in k}
     trainer.train()
-    moved = [k for k, v in trainer.policy_model.named_parameters() if "lora_B" in k and not torch.equal(v, lora_before[k])]
+    moved = [k for k, v in trainer.policy_model.named_parameters()
+             if "lora_B" in k and not torch.equal(v, lora_before[k])]
     assert moved, "LoRA weights did not move"
     base_now = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
                 for k, v in trainer.policy_model.state_dict().items() if "lora_" not in k}
@@ -117,7 +118,8 @@ def test_reward_is_read_at_the_eos_not_the_first_pad():
     responses = torch.tensor([[w("w6"), eos, eos, eos], [w("w7"), w("w8"), w("w9"), w("w10")]])
     response_mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
     part = SimpleNamespace(queries=queries, response_mask=response_mask)
-    fake_self = SimpleNamespace(reward_model=_ScoreIsReadToken(len(tok)), accelerator=SimpleNamespace(autocast=nullcontext))
+    fake_self = SimpleNamespace(reward_model=_ScoreIsReadToken(len(tok)),
+                                accelerator=SimpleNamespace(autocast=nullcontext))
 
     inputs = sequence_inputs(queries, query_mask, responses, response_mask)
     scores = PPOTrainer.reward_scores(fake_self, part, inputs)

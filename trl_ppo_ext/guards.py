@@ -91,7 +91,8 @@ class GuardSettings:
         "the value loss scales with the square of the reward scale, so no bound is portable."))
     min_explained_variance: float | None = field(default=-1.0, metadata=_help(
         "Value divergence: `val/explained_variance` below this (for value_patience updates, with the value "
-        "loss not falling over them) fires. Default -1.0: below it the critic's error variance is more than twice the returns' variance, so its "
+        "loss not falling over them) fires. Default -1.0: below it the critic's error variance is more than twice "
+        "the returns' variance, so its "
         "advantages are noisier than a constant baseline's; scale-free, so one default fits every task."))
     value_patience: int = field(default=10, metadata=_help(
         "Consecutive updates the value bounds must be violated before the guard fires. Default 10: a fresh "

@@ -306,7 +306,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             outputs = _scalar_head_outputs(reward.source) if reward.is_model else 1
             if outputs != 1:
                 raise ValueError(
-                    f"`reward_model`'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. Load "
+                    f"`reward_model`'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. "
+                    "Load "
                     "it with AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
                 )
 
