@@ -76,11 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # ppo_lora, verifiable
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import HfArgumentParser, ProgressCallback, set_seed  # noqa: E402
-
 from ppo_lora import DEMO_LORA_TARGETS, UpdateLineProgress, set_cpu_threads  # noqa: E402
-from trl_ppo_ext import PPOConfig, PPOTrainer  # noqa: E402
-from trl_ppo_ext.manifest import package_versions, to_jsonable  # noqa: E402
+from transformers import HfArgumentParser, ProgressCallback, set_seed  # noqa: E402
 from verifiable_task import (  # noqa: E402
     OPERATIONS,
     answered_other_operand,
@@ -92,6 +89,9 @@ from verifiable_task import (  # noqa: E402
     sft_warm_up,
     split_pairs,
 )
+
+from trl_ppo_ext import PPOConfig, PPOTrainer  # noqa: E402
+from trl_ppo_ext.manifest import package_versions, to_jsonable  # noqa: E402
 
 
 @dataclass

@@ -234,9 +234,8 @@ def sft_warm_up(task: VerifiableTask, model, pairs: Sequence[tuple[int, int]], o
     Returns:
         The model, in eval mode.
     """
-    from trl import SFTConfig, SFTTrainer
-
     from synthetic_task import _no_checkpointing
+    from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(
         output_dir=output_dir,

@@ -5,8 +5,8 @@ per PPO epoch, across epoch ends of the prompt loader, with and without an eval 
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models
+
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.batching import BatchPlan
 from trl_ppo_ext.tiny import build_tiny_tokenizer

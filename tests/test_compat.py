@@ -66,8 +66,7 @@ def test_without_trl_ppo_the_upstream_classes_raise_a_clear_error():
 
 
 def test_our_classes_stand_on_the_base_compat_chose():
-    from trl_ppo_ext import PPOConfig, PPOTrainer
-    from trl_ppo_ext import _base
+    from trl_ppo_ext import PPOConfig, PPOTrainer, _base
 
     if _compat.uses_own_base():
         assert issubclass(PPOTrainer, _base.PPOTrainerBase) and issubclass(PPOConfig, _base.PPOConfigBase)

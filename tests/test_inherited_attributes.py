@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-
 from conftest import prompt_dataset, tiny_config, tiny_models
+
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 

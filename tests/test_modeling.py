@@ -17,13 +17,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
 
 from trl_ppo_ext import quantization as quant
+from trl_ppo_ext.loading import load_actor_critic, load_reward_model
 from trl_ppo_ext.modeling import (
     VALUE_HEAD_CONFIG,
     VALUE_HEAD_WEIGHTS,
     SharedActorCritic,
     default_lora_config,
 )
-from trl_ppo_ext.loading import load_actor_critic, load_reward_model
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, tiny_llama_config
 
 # peft 0.21 reads a property transformers 5 deprecated; not ours to fix.

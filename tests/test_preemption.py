@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import prompt_dataset, tiny_config, tiny_models
+
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.preemption import InflightUpdate, SigtermWatcher, inflight_filename
 from trl_ppo_ext.tiny import build_tiny_tokenizer

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from conftest import prompt_dataset, tiny_config, tiny_models
 from datasets import Dataset
 
-from conftest import prompt_dataset, tiny_config, tiny_models
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.data import PromptCollator
 from trl_ppo_ext.rewards import (

@@ -120,6 +120,7 @@ def test_finalize_responses_with_several_stop_ids():
 
 def test_the_trainer_warns_once_about_ignored_checkpoint_fields(tmp_path, caplog):
     from conftest import prompt_dataset, tiny_config, tiny_models
+
     from trl_ppo_ext import PPOTrainer
 
     tok = build_tiny_tokenizer()

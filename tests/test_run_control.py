@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import prompt_dataset, tiny_config, tiny_models
+
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 

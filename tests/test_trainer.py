@@ -5,12 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_metrics, prompt_dataset, tiny_config, tiny_models
 from torch import nn
 
-from conftest import assert_metrics, prompt_dataset, tiny_config, tiny_models
 from trl_ppo_ext import PPOConfig, PPOTrainer
 from trl_ppo_ext.rollout import Rollout, sequence_inputs
 from trl_ppo_ext.tiny import build_tiny_tokenizer
+
 
 def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -5,9 +5,9 @@ dropout, a value adapter, micro-batch size, reward heads, temperature 0."""
 
 import pytest
 import torch
+from conftest import prompt_dataset, tiny_config, tiny_models
 from peft import LoraConfig
 
-from conftest import prompt_dataset, tiny_config, tiny_models
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.rollout import sequence_inputs
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer

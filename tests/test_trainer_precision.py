@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import torch
+from conftest import prompt_dataset, tiny_config, tiny_models
 from peft import LoraConfig
 
-from conftest import prompt_dataset, tiny_config, tiny_models
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.policy_value import scalar_head
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer

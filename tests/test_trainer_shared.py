@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import assert_metrics, prompt_dataset, tiny_config
 from peft import LoraConfig
 
-from conftest import assert_metrics, prompt_dataset, tiny_config
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.modeling import SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
@@ -71,8 +71,8 @@ def test_reference_logprobs_equal_the_untouched_base(tmp_path):
     )
     trainer.train()
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
-    from trl_ppo_ext.rollout import response_logits, sequence_inputs
     from trl_ppo_ext.functional import logprobs_from_logits
+    from trl_ppo_ext.rollout import response_logits, sequence_inputs
 
     ids, attn, pos = sequence_inputs(rollout.queries, rollout.query_mask, rollout.responses, rollout.response_mask)
     with torch.no_grad():

@@ -48,8 +48,6 @@ from .policy_value import PolicyAndValue, lm_logits, score_at
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .rewards import build_rewards, call_functions, combine_scores, values_and_mask
-from .run_state import CheckpointMixin
-from .sampler import EpochSeededSampler
 from .rollout import (
     Rollout,
     effective_temperature,
@@ -64,7 +62,8 @@ from .rollout import (
     sequence_inputs,
     stop_token_ids,
 )
-
+from .run_state import CheckpointMixin
+from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
 
