@@ -141,6 +141,22 @@ def test_sigterm_checkpoints_where_it_stopped_and_resumes_exactly(tmp_path, stra
     assert _logs(resumed) == logs
 
 
+def test_sigterm_right_after_a_save_records_the_stop_without_saving_again(tmp_path):
+    saves = []
+
+    class CountingSaves(SigtermInStep):
+        def _save_checkpoint(self, model=None, trial=None, folder_name=None):
+            saves.append(folder_name or f"checkpoint-{self.state.global_step}")
+            return super()._save_checkpoint(model, trial, folder_name)
+
+    CountingSaves.at_step = 4  # the update's last step: save_steps=1 saves checkpoint-1 right after it
+    trainer = _trainer(tmp_path, cls=CountingSaves, save_strategy="steps", save_steps=1)
+    trainer.train()
+    assert saves == ["checkpoint-0", "checkpoint-1"]  # the preemption rewrote no weights (grace time)
+    state = json.loads((tmp_path / "out" / "checkpoint-1" / "trainer_state.json").read_text())
+    assert (state["global_step"], state["stop_reason"]) == (1, "preempted")
+
+
 def test_on_sigterm_off_leaves_the_signal_alone(tmp_path):
     class Look(PPOTrainer):
         seen = None

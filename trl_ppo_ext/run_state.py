@@ -27,6 +27,7 @@ shards belong to their process count.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -85,7 +86,15 @@ class CheckpointMixin:
                 self.args.output_dir, self.args.save_total_limit, keep=self._protected_checkpoints,
                 required_files=CHECKPOINT_FILES,
             )
+        self._last_checkpoint = (step, final)
         return final
+
+    def _record_stop_in_checkpoint(self, path: str) -> None:
+        """Rewrite a complete checkpoint's ``trainer_state.json`` from the current state (e.g. its
+        ``stop_reason``), atomically: a preemption right after a save need not save again."""
+        if self.accelerator.is_main_process:
+            ckpt.save_json(os.path.join(path, ckpt.COMPLETE_MARKER), dataclasses.asdict(self.state))
+        self.accelerator.wait_for_everyone()
 
     def _save_training_state(self, directory: str) -> None:
         """Trainable weights, optimizer, scheduler and PPO state. Every process calls it: under

@@ -272,6 +272,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self._protected_checkpoints: set[str] = set()
         self._stale_discarded = self._nonfinite_steps = self._rollout_age = 0
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
+        self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
         self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
         self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
 
@@ -637,7 +638,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         the update in progress (resumed first by ``resume_from_checkpoint=True``)."""
         self.state.stop_reason = PREEMPTED
         name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}" + (ckpt.PREEMPTED_SUFFIX if inflight else "")
-        self._save_checkpoint(self.model, folder_name=name)  # replaces a save_steps checkpoint of this step
+        path = os.path.join(self.args.output_dir, name)
+        just_saved = self._last_checkpoint == (self.state.global_step, path) and os.path.isdir(path)
+        if not inflight and just_saved:
+            self._record_stop_in_checkpoint(path)  # save_steps wrote this update's checkpoint: no second save
+        else:
+            self._save_checkpoint(self.model, folder_name=name)
         self._inflight = None
         logger.warning("SIGTERM: stopped after update %d%s; checkpoint %s written.", self.state.global_step,
                        " and part of the next one" if inflight else "", name)
