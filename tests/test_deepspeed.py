@@ -36,16 +36,20 @@ ZERO2 = ["--config_file", str(CONFIGS / "deepspeed_zero2.yaml")]
 ZERO3 = ["--config_file", str(CONFIGS / "deepspeed_zero3.yaml")]
 
 
+def _env(cpu: bool) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("ACCELERATE_USE_CPU", None)  # DeepSpeed runs must not be forced onto accelerate's CPU path
+    if cpu:
+        env["ACCELERATE_USE_CPU"] = "1"
+    return env
+
+
 def _command(config, out, *script_args):
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     cmd = [accelerate, "launch", *config, "--num_processes", "2", "--mixed_precision", "no",
            str(SCRIPT), str(out), *script_args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
-    env.pop("ACCELERATE_USE_CPU", None)  # DeepSpeed runs must not be forced onto accelerate's CPU path
-    if config is DDP:
-        env["ACCELERATE_USE_CPU"] = "1"
-    return cmd, env
+    return cmd, _env(cpu=config is DDP)
 
 
 def _launch(config, out, *script_args, timeout=600):
@@ -90,12 +94,16 @@ def zero2(tmp_path_factory):
     preempted in update 2 (SIGTERM to the launcher), and the resume of each."""
     out = tmp_path_factory.mktemp("zero2")
     runs = {
-        "ddp": _launch(DDP, out, "ddp"),
+        "ddp": _launch(DDP, out, "ddp", "--save"),
         "zero2": _launch(ZERO2, out, "zero2", "--save", "--also-shared"),
         "killed": _launch(ZERO2, out, "killed", "--save", "--kill-in-update", "2"),
     }
     runs["left_by_kill"] = sorted(os.listdir(out / "killed" / "out"))
     runs["resumed"] = _launch(ZERO2, out, "resumed", "--save", "--resume", "--run-dir", "killed")
+    # the DDP run's last checkpoint, resumed by one process (plain python) for one more update's worth
+    runs["ddp_on_one"] = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "ddp_on_one", "--resume", "--run-dir", "ddp", "--updates", "4"],
+        capture_output=True, text=True, env=_env(cpu=False), timeout=600)
     runs["preempted"] = _launch_then_sigterm(ZERO2, out, "preempted", "--save", "--wait-for-sigterm-in-update", "2")
     runs["manifest_at_sigterm"] = json.loads((out / "preempted" / "out" / "run_manifest.json").read_text())
     runs["after_sigterm"] = _launch(ZERO2, out, "after_sigterm", "--save", "--resume", "--run-dir", "preempted")
@@ -169,6 +177,23 @@ def test_zero2_sigterm_to_the_launcher_checkpoints_mid_update_and_resumes_exactl
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     straight, resumed = _reports(out, "zero2")[0]["logs"], _reports(out, "after_sigterm")[0]["logs"]
     assert _no_eps(resumed) == _no_eps(straight)
+
+
+def test_a_two_process_checkpoint_resumes_on_one_process_with_a_warning(zero2):
+    out, runs = zero2
+    _ok(runs["ddp"]), _ok(runs["ddp_on_one"])
+    assert "NOT bit-exact" in runs["ddp_on_one"].stderr and "written by 2 process(es)" in runs["ddp_on_one"].stderr
+    one = json.loads((out / "ddp_on_one_rank0.json").read_text())
+    assert one["world_size"] == 1
+    # 3 updates of 8 prompts on 2 processes, then --updates 4 (32 episodes): the 8 left are 2
+    # updates of 4 prompts on one process, 2 PPO epochs x 2 mini-batches each
+    assert [log["episode"] for log in one["logs"]] == [8, 16, 24, 28, 32]
+    assert one["optimizer_steps"] == [4, 4] and _finite(one["logs"])
+    start = torch.load(out / "ddp" / "out" / "checkpoint-3" / "trainable_state.pt")
+    assert start.keys() == torch.load(out / "ddp_params.pt").keys()
+    assert all(torch.equal(start[k], v) for k, v in torch.load(out / "ddp_params.pt").items())
+    now = torch.load(out / "ddp_on_one_params.pt")
+    assert any(not torch.equal(start[k], now[k]) for k in start)  # it trained on from there
 
 
 @pytest.fixture(scope="module")

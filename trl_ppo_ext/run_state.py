@@ -67,8 +67,7 @@ class CheckpointMixin:
         is_main = self.accelerator.is_main_process
         self.store_flos()
         if is_main:  # as TRL does: the model card in output_dir follows the checkpoints
-            name = (self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))).split("/")[-1]
-            self.create_model_card(model_name=name)
+            self._write_model_card()
         # Every process writes into one temp folder (shared suffix); the main process renames it.
         suffix = str(step) if self.accelerator.num_processes > 1 else None
         with ckpt.atomic_checkpoint_dir(final, suffix=suffix, commit=is_main) as tmp:
@@ -88,6 +87,16 @@ class CheckpointMixin:
             )
         self._last_checkpoint = (step, final)
         return final
+
+    def _write_model_card(self) -> None:
+        """TRL's model card, written with the unwrapped model: it reads ``self.model.config``,
+        which DDP's wrapper does not pass through (checkpoints on several processes failed)."""
+        name = (self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))).split("/")[-1]
+        wrapped, self.model = self.model, self.accelerator.unwrap_model(self.model)
+        try:
+            self.create_model_card(model_name=name)
+        finally:
+            self.model = wrapped
 
     def _record_stop_in_checkpoint(self, path: str) -> None:
         """Rewrite a complete checkpoint's ``trainer_state.json`` from the current state (e.g. its
@@ -182,6 +191,9 @@ class CheckpointMixin:
         resumed = type(self.state).load_from_json(os.path.join(path, ckpt.COMPLETE_MARKER))
         for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos"):
             setattr(self.state, field_name, getattr(resumed, field_name))
+        if not exact:  # updates now hold another number of episodes: the run still ends at total_episodes
+            remaining = max(0, self.args.total_episodes - self.state.episode)
+            self.state.max_steps = self.state.global_step + math.ceil(remaining / self.args.batch_size)
         self._resume_path, self._resume_exact = path, exact
 
     def _check_resume_topology(self, path: str, ppo_state: dict) -> bool:

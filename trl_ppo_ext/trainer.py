@@ -617,8 +617,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             raise SystemExit(0)
 
     def _train_loop(self) -> tuple[str, str | None]:
-        """Updates until ``num_total_batches``, a guard's halt or SIGTERM; ``(status, reason)``."""
-        while self.state.global_step < self.args.num_total_batches:
+        """Updates until ``state.max_steps`` (``num_total_batches``; fewer or more after resuming on
+        another number of processes), a guard's halt or SIGTERM; ``(status, reason)``."""
+        while self.state.global_step < self.state.max_steps:
             try:
                 decision = self.run_update(self.state.global_step + 1)
             except UpdatePreempted:  # between two optimizer steps: the update's remainder is saved
@@ -627,7 +628,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             if decision.halt:
                 self._halt(decision)
                 return "halted", decision.message
-            if self.state.global_step < self.args.num_total_batches and self._sigterm.stop_agreed(self.accelerator):
+            if self.state.global_step < self.state.max_steps and self._sigterm.stop_agreed(self.accelerator):
                 self._checkpoint_preempted(inflight=False)
                 return PREEMPTED, PREEMPTED
         return "completed", None
