@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,11 +151,9 @@ def test_shared_suffix_without_commit_only_writes(tmp_path):
 
 CHILD = textwrap.dedent(
     """
-    import importlib.util, os, signal, sys
+    import importlib, os, signal, sys
 
-    spec = importlib.util.spec_from_file_location("checkpoint_under_test", sys.argv[1])
-    ckpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ckpt)
+    ckpt = importlib.import_module(sys.argv[1])  # the package's checkpoint module (no torch import)
     out, second = sys.argv[2], sys.argv[3]
 
     def write(folder, step, die):
@@ -179,7 +178,8 @@ def test_sigkill_mid_write_leaves_the_previous_checkpoint_intact(tmp_path, secon
     out = tmp_path / "out"
     out.mkdir()
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, ckpt.__file__, str(out), second], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", CHILD, ckpt.__name__, str(out), second], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(ckpt.__file__).parents[1])},
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     first = out / "checkpoint-1"

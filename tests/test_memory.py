@@ -359,7 +359,7 @@ def test_one_ppo_update_on_the_cpu_matches_the_model(tmp_path):
     model = SharedActorCritic(policy, lora_config=default_lora_config(policy, r=8))
     trainer = PPOTrainer(
         args=tiny_config(tmp_path, response_length=T, per_device_train_batch_size=B, total_episodes=B,
-                         local_rollout_forward_batch_size=B, stop_token=None),
+                         local_rollout_forward_batch_size=B, stop_token=None, gradient_checkpointing=False),
         processing_class=tok, model=model, ref_model=None, value_model=None,
         reward_model=build_tiny_scorer(tok, seed=2, **dims),
         train_dataset=prompt_dataset(tok, n=B, min_len=P, max_len=P))
