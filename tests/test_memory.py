@@ -3,6 +3,7 @@ agreement with tensors measured on the CPU (``live_tensor_bytes``)."""
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import replace
 
@@ -206,6 +207,10 @@ def _kept_bytes(model, autocast: bool, b=2, s=64) -> int:
     mask = torch.ones(b, s, dtype=torch.long)
     mask[0, :5] = 0  # a padded row, as in PPO batches: SDPA then gets a mask
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    # Free what earlier models and tests left for the collector now: freed inside the measured
+    # window it would be subtracted from what this forward keeps (seen with CI=true, where
+    # transformers' log records propagate to pytest's capture and keep objects alive longer).
+    gc.collect()
     with M.live_tensor_bytes() as live:
         live.count_existing()
         before = live.current
