@@ -826,24 +826,28 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             parts = [rollout.select(torch.arange(s, min(s + chunk, rollout.batch_size)))
                      for s in range(0, rollout.batch_size, chunk)]
             inputs = [sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask) for p in parts]
-        columns: list = [None] * len(self.rewards)
+        device = rollout.responses.device
+        values: list = [None] * len(self.rewards)  # (B,) float32 per reward, NaN where it does not apply
+        applies: list = [None] * len(self.rewards)  # (B,) bool per reward
         for k, reward in enumerate(self.rewards):
-            if reward.is_model:
+            if reward.is_model:  # scores stay on the device: no host round trip for models
                 with self._frozen_on_device(reward.source, self.args.offload_reward_model):
                     # `reward_model` through the two-argument form, which subclasses may override as in TRL
                     extra = () if reward.source is self.reward_model else (reward.source,)
                     scores = torch.cat([self.reward_scores(p, i, *extra) for p, i in zip(parts, inputs)])
-                columns[k] = scores.float().tolist()
+                values[k] = scores.float().to(device)
+                applies[k] = torch.ones(rollout.batch_size, dtype=torch.bool, device=device)
         functions = [(k, r) for k, r in enumerate(self.rewards) if not r.is_model]
         if functions:
             update = self.state.global_step + 1
             outputs = call_functions([r for _, r in functions], self.reward_function_kwargs(rollout),
                                      rollout.batch_size, update)
-            for (k, _), column in zip(functions, outputs):
-                columns[k] = column
-        values, applies = values_and_mask(columns, rollout.responses.device)
-        weights = torch.tensor([r.weight for r in self.rewards], device=values.device)
-        none_apply = int((~applies.any(dim=1)).sum())
+            fn_values, fn_applies = values_and_mask(outputs, device)
+            for j, (k, _) in enumerate(functions):
+                values[k], applies[k] = fn_values[:, j], fn_applies[:, j]
+        values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
+        weights = torch.tensor([r.weight for r in self.rewards], device=device)
+        none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
         if none_apply:
             logger.warning(
                 "%d of %d completions got no reward: every reward function returned None for them (score 0). "
