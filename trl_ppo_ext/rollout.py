@@ -1,5 +1,12 @@
 """The rollout: what the old policy generated, and everything measured on it without grad.
 
+Two typed stages: generation gives a :class:`SampledBatch` (prompts, responses, masks);
+scoring -- old log-probs and values (:func:`forward_responses`), reference log-probs
+(:func:`reference_response_logprobs`) and reward-model scores (:func:`reward_model_scores`),
+each per chunk of :func:`forward_chunks` -- turns it into a :class:`Rollout`
+(:func:`scored_rollout`). The trainer orchestrates the stages (models, offloading,
+reward functions) in thin overridable methods.
+
 Notation: ``B`` sequences in the rollout batch, ``P`` prompt positions (left padded), ``T``
 response positions (``response_length``), ``V`` vocabulary. The full sequence fed to every
 model is ``cat(queries, responses)``, ``(B, P + T)``; the response token ``t`` is predicted
@@ -10,36 +17,32 @@ prompt's logits would be ``P / (T + 1)`` times more memory for nothing.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import GenerationConfig
 
 from . import functional as F
+from .policy_value import lm_logits, score_at
 
 
-@dataclass
-class Rollout:
-    """One rollout batch. Every tensor lives on the training device.
+@dataclass(kw_only=True)
+class SampledBatch:
+    """What generation produced for one batch of prompts, before any model scored it.
 
-    Positions where ``response_mask`` is False (prompt padding is separate; here: after the
-    terminal token) hold 0 in every float field and the pad id in ``responses``.
+    Every tensor lives on the training device. ``responses`` hold the pad id where
+    ``response_mask`` is False (after the terminal token). :func:`forward_chunks` cuts it for
+    the scoring forwards; :func:`scored_rollout` turns it, with those scores, into a
+    :class:`Rollout`.
     """
 
     queries: torch.Tensor  # (B, P) long: prompt ids, left padded
     query_mask: torch.Tensor  # (B, P) bool: True on real prompt tokens
     responses: torch.Tensor  # (B, T) long: generated ids; pad id after the terminal token
     response_mask: torch.Tensor  # (B, T) bool: generated tokens up to and including the stop token
-    logprobs: torch.Tensor  # (B, T) float32: log pi_old(a_t | s_t), at the sampling temperature
-    ref_logprobs: torch.Tensor  # (B, T) float32: log pi_ref(a_t | s_t), same temperature
-    values: torch.Tensor  # (B, T) float32: V_old(s_t) from the value head at sampling time
-    scores: torch.Tensor  # (B,) float32: raw reward-model score at the last valid response token
     has_stop: torch.Tensor  # (B,) bool: the response ended with the stop token
     policy_version: int = 0  # optimizer updates done when this batch was sampled (policy lag)
-    # (B, F) float32: each reward's raw value (NaN where it does not apply); F = number of rewards
-    reward_values: torch.Tensor | None = None
-    reward_applies: torch.Tensor | None = None  # (B, F) bool: False where a reward function returned None
     extras: dict = field(default_factory=dict)  # other dataset columns, name -> list of B values
 
     @property
@@ -53,8 +56,9 @@ class Rollout:
         added ``[PAD]`` without resizing), as ``sequence_inputs`` does for the model inputs."""
         return self.responses.masked_fill(~self.response_mask, 0)
 
-    def select(self, index: torch.Tensor) -> "Rollout":
-        """The rows ``index`` ((b,) long) of every tensor field, as a new Rollout."""
+    def select(self, index: torch.Tensor):
+        """The rows ``index`` ((b,) long) of every tensor field and extra column, as a new
+        object of the same class."""
         rows = index.tolist()
         picked = {}
         for f in fields(self):
@@ -64,7 +68,43 @@ class Rollout:
             elif f.name == "extras":
                 value = {k: [column[i] for i in rows] for k, column in value.items()}
             picked[f.name] = value
-        return Rollout(**picked)
+        return type(self)(**picked)
+
+
+@dataclass(kw_only=True)
+class Rollout(SampledBatch):
+    """A scored rollout batch: the sampled batch and what the old policy, the value model, the
+    reference and the rewards said about it. Every float field holds 0 where
+    ``response_mask`` is False (prompt padding is separate; here: after the terminal token).
+    """
+
+    logprobs: torch.Tensor  # (B, T) float32: log pi_old(a_t | s_t), at the sampling temperature
+    ref_logprobs: torch.Tensor  # (B, T) float32: log pi_ref(a_t | s_t), same temperature
+    values: torch.Tensor  # (B, T) float32: V_old(s_t) from the value head at sampling time
+    scores: torch.Tensor  # (B,) float32: weighted sum of the rewards (RM score at the last valid token)
+    # (B, F) float32: each reward's raw value (NaN where it does not apply); F = number of rewards
+    reward_values: torch.Tensor | None = None
+    reward_applies: torch.Tensor | None = None  # (B, F) bool: False where a reward function returned None
+
+
+def scored_rollout(
+    sample: SampledBatch, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor,
+    scores: torch.Tensor, reward_values: torch.Tensor | None = None, reward_applies: torch.Tensor | None = None,
+) -> Rollout:
+    """``sample`` with its scores, as a :class:`Rollout`.
+
+    Args:
+        logprobs, ref_logprobs, values: ``(B, T)`` any float dtype; cast to float32 and set to 0
+            where ``sample.response_mask`` is False (nothing is read there, and 0 keeps sums exact).
+        scores: ``(B,)``; reward_values ``(B, F)``; reward_applies ``(B, F)`` bool.
+    Returns:
+        a new ``Rollout``; ``sample`` is not changed.
+    """
+    keep = sample.response_mask
+    token_fields = {"logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values}
+    scored = {name: x.float().masked_fill(~keep, 0.0) for name, x in token_fields.items()}
+    sampled = {f.name: getattr(sample, f.name) for f in fields(SampledBatch)}
+    return Rollout(**sampled, **scored, scores=scores, reward_values=reward_values, reward_applies=reward_applies)
 
 
 def left_pad(ids: torch.Tensor, mask: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +159,56 @@ def response_values(values: torch.Tensor, response_length: int) -> torch.Tensor:
     """``V(s_t)`` for the response tokens: ``(B, L)`` -> ``(B, T)`` float32, same positions as
     ``response_logits`` (the state before token ``t`` is generated)."""
     return values[:, -(response_length + 1) : -1].float()
+
+
+def forward_chunks(sample: SampledBatch, chunk_size: int) -> list[tuple[SampledBatch, tuple]]:
+    """``sample`` cut into consecutive row chunks of at most ``chunk_size``, each with its
+    :func:`sequence_inputs`: ``[(part, (input_ids, attention_mask, position_ids)), ...]``.
+
+    Every scoring forward runs per chunk, so no ``(B, T, V)`` tensor exists for the batch.
+    """
+    parts = [sample.select(torch.arange(s, min(s + chunk_size, sample.batch_size), device=sample.responses.device))
+             for s in range(0, sample.batch_size, chunk_size)]
+    return [(p, sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask)) for p in parts]
+
+
+def forward_responses(model, inputs: tuple, response_length: int, temperature: float, autocast=nullcontext):
+    """One forward of a policy/value module (``forward(...) -> (logits, values)``) on a chunk.
+
+    Args:
+        model: ``PolicyAndValue`` or ``SharedActorCritic`` (or anything with their forward).
+        inputs: ``(input_ids, attention_mask, position_ids)``, each ``(b, P + T)``.
+        response_length: ``T``. temperature: the sampling temperature the logits are divided by.
+        autocast: a context factory the forward runs in (the accelerator's mixed precision).
+    Returns:
+        ``(logits (b, T, V), values (b, T) float32)``: the logits predicting each response token
+        and ``V(s_t)`` read at the same positions. The rollout and the update both use this, so
+        the first PPO ratio is exactly 1.
+    """
+    input_ids, attention_mask, position_ids = inputs
+    with autocast():
+        logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               logits_to_keep=response_length + 1)
+    return response_logits(logits, response_length, temperature), response_values(values, response_length)
+
+
+def reference_response_logprobs(model, part: SampledBatch, inputs: tuple, temperature: float,
+                                autocast=nullcontext) -> torch.Tensor:
+    """``log pi_ref(a_t | s_t)`` ``(b, T)`` from a causal LM (a reference model, or the policy
+    with its adapter disabled by the caller), at the sampling temperature; any value where
+    ``part.response_mask`` is False (the caller masks)."""
+    T = part.responses.shape[1]
+    with autocast():
+        logits = lm_logits(model, *inputs, logits_to_keep=T + 1)
+    return F.logprobs_from_logits(response_logits(logits, T, temperature), part.valid_responses)
+
+
+def reward_model_scores(model, part: SampledBatch, inputs: tuple, autocast=nullcontext) -> torch.Tensor:
+    """Raw score ``(b,)`` float32 of a reward model read at each row's last valid response
+    token (the stop token when there is one; the last generated token of a truncated row)."""
+    index = part.queries.shape[1] + F.last_valid_index(part.response_mask)
+    with autocast():
+        return score_at(model, *inputs, index=index)
 
 
 # Generation settings a checkpoint may carry that are neither the sampling settings below nor

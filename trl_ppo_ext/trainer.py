@@ -44,21 +44,25 @@ from .distributed import configure_deepspeed, gathered, prepare_frozen_model, pr
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .offload import on_device
-from .policy_value import PolicyAndValue, lm_logits, score_at
+from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .rewards import build_rewards, call_functions, combine_scores, values_and_mask
 from .rollout import (
     Rollout,
+    SampledBatch,
     effective_temperature,
     finalize_responses,
+    forward_chunks,
+    forward_responses,
     generate_responses,
     generation_pad_id,
     ignored_generation_fields,
     left_pad,
-    response_logits,
-    response_values,
+    reference_response_logprobs,
+    reward_model_scores,
     sampling_config,
+    scored_rollout,
     sequence_inputs,
     stop_token_ids,
 )
@@ -760,9 +764,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return left_pad(ids, mask, self.processing_class.pad_token_id)
 
     @torch.no_grad()
-    def generate_rollout(self, batch, temperature: float | None = None) -> Rollout:
-        """Sample responses to a batch of prompts with the current policy (scores left empty),
-        at ``temperature`` (default: ``args.temperature``)."""
+    def generate_rollout(self, batch, temperature: float | None = None) -> SampledBatch:
+        """Sample responses to a batch of prompts with the current policy at ``temperature``
+        (default: ``args.temperature``); ``score_rollout`` scores them."""
         args, tok = self.args, self.processing_class
         queries, query_mask = self._prompt_tensors(batch)
         temperature = args.temperature if temperature is None else temperature
@@ -778,55 +782,44 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                     tok.pad_token_id, args.local_rollout_forward_batch_size,
                 )
         responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id)
-        empty = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        return Rollout(
-            queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
-            logprobs=empty, ref_logprobs=empty, values=empty,
-            scores=torch.zeros(mask.shape[0], device=mask.device), has_stop=has_stop,
+        return SampledBatch(
+            queries=queries, query_mask=query_mask, responses=responses, response_mask=mask, has_stop=has_stop,
             policy_version=self.state.global_step,
             extras={k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS},
         )
 
     @torch.no_grad()
-    def score_rollout(self, rollout: Rollout) -> Rollout:
-        """Old log-probs and values, reference log-probs and RM scores: once each, per chunk.
+    def score_rollout(self, sample: SampledBatch) -> Rollout:
+        """Old log-probs and values, reference log-probs and rewards of a sampled batch: once
+        each, per chunk of ``local_rollout_forward_batch_size`` rows.
 
         No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
         Each frozen model is moved to the GPU once for all its chunks when offloaded.
         """
-        chunk = self.args.local_rollout_forward_batch_size
-        parts = [rollout.select(torch.arange(s, min(s + chunk, rollout.batch_size)))
-                 for s in range(0, rollout.batch_size, chunk)]
-        inputs = [sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask) for p in parts]
-        logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in zip(parts, inputs)))
+        chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
+        logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks))
         with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
-            ref_logprobs = [self.reference_logprobs(p, i) for p, i in zip(parts, inputs)]
-        scores, reward_values, reward_applies = self.score_rewards(rollout, parts, inputs)
-        mask = rollout.response_mask
-        out = {
-            "logprobs": torch.cat(logprobs).float().masked_fill(~mask, 0.0),
-            "values": torch.cat(values).float().masked_fill(~mask, 0.0),
-            "ref_logprobs": torch.cat(ref_logprobs).float().masked_fill(~mask, 0.0),
-            "scores": scores, "reward_values": reward_values, "reward_applies": reward_applies,
-        }
-        return replace(rollout, **out)
+            ref_logprobs = [self.reference_logprobs(p, i) for p, i in chunks]
+        scores, reward_values, reward_applies = self.score_rewards(sample, chunks)
+        return scored_rollout(
+            sample, logprobs=torch.cat(logprobs), ref_logprobs=torch.cat(ref_logprobs), values=torch.cat(values),
+            scores=scores, reward_values=reward_values, reward_applies=reward_applies,
+        )
 
     @torch.no_grad()
-    def score_rewards(self, rollout: Rollout, parts: list[Rollout] | None = None, inputs: list | None = None):
-        """Every reward of ``self.rewards`` on the rollout, and their weighted sum.
+    def score_rewards(self, sample: SampledBatch, chunks: list | None = None):
+        """Every reward of ``self.rewards`` on a sampled batch, and their weighted sum.
 
-        Models are read at the last valid token chunk by chunk (``parts``/``inputs``, made here
-        when not given); functions get the whole batch at once (see ``trl_ppo_ext.rewards``).
+        Models are read at the last valid token chunk by chunk (``chunks`` from
+        ``rollout.forward_chunks``, made here when not given); functions get the whole batch at
+        once (see ``trl_ppo_ext.rewards``).
 
         Returns:
             ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool)``.
         """
-        if parts is None:
-            chunk = self.args.local_rollout_forward_batch_size
-            parts = [rollout.select(torch.arange(s, min(s + chunk, rollout.batch_size)))
-                     for s in range(0, rollout.batch_size, chunk)]
-            inputs = [sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask) for p in parts]
-        device = rollout.responses.device
+        if chunks is None:
+            chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
+        device = sample.responses.device
         values: list = [None] * len(self.rewards)  # (B,) float32 per reward, NaN where it does not apply
         applies: list = [None] * len(self.rewards)  # (B,) bool per reward
         for k, reward in enumerate(self.rewards):
@@ -834,14 +827,14 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 with self._frozen_on_device(reward.source, self.args.offload_reward_model):
                     # `reward_model` through the two-argument form, which subclasses may override as in TRL
                     extra = () if reward.source is self.reward_model else (reward.source,)
-                    scores = torch.cat([self.reward_scores(p, i, *extra) for p, i in zip(parts, inputs)])
+                    scores = torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
                 values[k] = scores.float().to(device)
-                applies[k] = torch.ones(rollout.batch_size, dtype=torch.bool, device=device)
+                applies[k] = torch.ones(sample.batch_size, dtype=torch.bool, device=device)
         functions = [(k, r) for k, r in enumerate(self.rewards) if not r.is_model]
         if functions:
             update = self.state.global_step + 1
-            outputs = call_functions([r for _, r in functions], self.reward_function_kwargs(rollout),
-                                     rollout.batch_size, update)
+            outputs = call_functions([r for _, r in functions], self.reward_function_kwargs(sample),
+                                     sample.batch_size, update)
             fn_values, fn_applies = values_and_mask(outputs, device)
             for j, (k, _) in enumerate(functions):
                 values[k], applies[k] = fn_values[:, j], fn_applies[:, j]
@@ -852,11 +845,11 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             logger.warning(
                 "%d of %d completions got no reward: every reward function returned None for them (score 0). "
                 "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
-                none_apply, rollout.batch_size,
+                none_apply, sample.batch_size,
             )
         return combine_scores(values, applies, weights), values, applies
 
-    def reward_function_kwargs(self, rollout: Rollout) -> dict:
+    def reward_function_kwargs(self, rollout: SampledBatch) -> dict:
         """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
         ``completions``, ``completion_ids``, ``trainer_state`` and every other dataset column."""
         tok = self.processing_class
@@ -879,41 +872,30 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             return nullcontext()
         return on_device(model, self.accelerator.device)
 
-    def response_forward(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the policy/value module: ``(logits (b, T, V) at the sampling
-        temperature, V(s_t) (b, T))``. The rollout and the update share it, so the first PPO
-        ratio is exactly 1."""
-        input_ids, attention_mask, position_ids = inputs
-        T = part.responses.shape[1]
-        with self.accelerator.autocast():
-            logits, values = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
-            )
-        return response_logits(logits, T, self.temperature), response_values(values, T)
+    def response_forward(self, model, part: SampledBatch, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rollout.forward_responses`` in the trainer's precision and temperature: ``(logits
+        (b, T, V), V(s_t) (b, T))``. Scoring and the update both call it."""
+        return forward_responses(model, inputs, part.responses.shape[1], self.temperature, self.accelerator.autocast)
 
-    def policy_logprobs_and_values(self, model, part: Rollout, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def policy_logprobs_and_values(self, model, part: SampledBatch, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
         logits, values = self.response_forward(model, part, inputs)
         return F.logprobs_from_logits(logits, part.valid_responses), values
 
-    def reference_logprobs(self, part: Rollout, inputs) -> torch.Tensor:
+    def reference_logprobs(self, part: SampledBatch, inputs) -> torch.Tensor:
         """``log pi_ref(a_t|s_t)`` ``(b, T)``: a separate reference model or the disabled adapter."""
-        input_ids, attention_mask, position_ids = inputs
         if self.ref_model is not None:
             ref, context = self.ref_model, nullcontext()
         else:
             ref, context = self.unwrapped.policy, self.null_ref_context()
-        T = part.responses.shape[1]
-        with context, self.accelerator.autocast():
-            logits = lm_logits(ref, input_ids, attention_mask, position_ids, logits_to_keep=T + 1)
-        return F.logprobs_from_logits(response_logits(logits, T, self.temperature), part.valid_responses)
+        with context:
+            return reference_response_logprobs(ref, part, inputs, self.temperature, self.accelerator.autocast)
 
-    def reward_scores(self, part: Rollout, inputs, model: nn.Module | None = None) -> torch.Tensor:
+    def reward_scores(self, part: SampledBatch, inputs, model: nn.Module | None = None) -> torch.Tensor:
         """Raw score ``(b,)`` of a reward model (default ``self.reward_model``) read at the last
         valid response token (the EOS when present)."""
-        index = part.queries.shape[1] + F.last_valid_index(part.response_mask)
-        with self.accelerator.autocast():
-            return score_at(model if model is not None else self.reward_model, *inputs, index=index)
+        model = model if model is not None else self.reward_model
+        return reward_model_scores(model, part, inputs, self.accelerator.autocast)
 
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> PPOTargets:
