@@ -44,7 +44,7 @@ def test_nan_scores_skip_steps_then_halt_with_nothing_changed(tmp_path):
     trainer.train()
     # 2 epochs x 1 mini-batch = 2 skipped steps per update: the 3rd in a row (update 2) halts
     assert trainer.state.halted_by == "nonfinite"
-    assert trainer.state.global_step == 2 and trainer._nonfinite_steps == 3
+    assert trainer.state.global_step == 2 and trainer.counters.nonfinite_steps == 3
     after = _params(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed a parameter"
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
@@ -249,9 +249,9 @@ def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_pa
     assert moments.keys() == loaded.keys() and all(
         torch.equal(moments[i]["exp_avg"], loaded[i]["exp_avg"]) for i in moments)
     assert resumed.kl_controller.value == first.kl_controller.value != 0.05  # adapted, then carried over
-    assert resumed.state.global_step == 2 and resumed._nonfinite_steps == first._nonfinite_steps
+    assert resumed.state.global_step == 2 and resumed.counters.nonfinite_steps == first.counters.nonfinite_steps
     # 1 batch x 8 prompts consumed of epoch 0; here a batch is 4 prompts: continue at batch 8 / 4 = 2
-    assert resumed._data_cursor == {"epoch": 0, "batches": 2}
+    assert (resumed.counters.epoch, resumed.counters.batches) == (0, 2)
     again = _trainer(tmp_path, total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
     again.train(resume_from_checkpoint=str(ckpt))  # and it trains on (random streams re-seeded)
     assert again.state.global_step == 4

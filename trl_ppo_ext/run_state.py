@@ -22,7 +22,8 @@ over; data order and random streams are re-derived), except under DeepSpeed, who
 shards belong to their process count.
 
 ``CheckpointMixin`` is mixed into ``PPOTrainer``; it reads the trainer's attributes
-(``accelerator``, ``optimizer``, ``lr_scheduler``, ``kl_controller``, ``guards``, ``state``).
+(``accelerator``, ``optimizer``, ``lr_scheduler``, ``kl_controller``, ``guards``, ``state``,
+``counters``). The PPO run's own counters are one :class:`RunCounters`, saved as a unit.
 """
 
 from __future__ import annotations
@@ -49,6 +50,36 @@ SCHEDULER = "scheduler.pt"
 PPO_STATE = "ppo_state.json"
 # The optimizer's state is optimizer.pt or deepspeed/ (ppo_state.json says which), checked on load.
 CHECKPOINT_FILES = (ckpt.COMPLETE_MARKER, PPO_STATE, TRAINABLE_STATE)
+
+
+@dataclasses.dataclass
+class RunCounters:
+    """What a PPO run counts beyond ``TrainerState`` (global step, episode): where it is in the
+    data and how many things went wrong. Saved in ``ppo_state.json`` as a unit and restored
+    before the first resumed update."""
+
+    epoch: int = 0  # the data epoch the next batch comes from
+    batches: int = 0  # batches of that epoch already consumed (the next one is skipped to on resume)
+    stale_discarded: int = 0  # rollouts discarded for being older than max_rollout_age, in total
+    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient, in total
+    rollout_age: int = 0  # updates between sampling the current rollout and training on it (policy lag)
+
+    def state_dict(self) -> dict:
+        """``{"data_cursor": {epoch, batches}, "counters": {...}}``, the keys ``ppo_state.json``
+        has always used (checkpoints written before this class resume unchanged)."""
+        return {
+            "data_cursor": {"epoch": self.epoch, "batches": self.batches},
+            "counters": {"stale_discarded": self.stale_discarded, "nonfinite_steps": self.nonfinite_steps,
+                         "rollout_age": self.rollout_age},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict`'s form; ``rollout_age`` defaults to 0 (older files)."""
+        cursor, counters = state["data_cursor"], state["counters"]
+        self.epoch, self.batches = int(cursor["epoch"]), int(cursor["batches"])
+        self.stale_discarded = int(counters["stale_discarded"])
+        self.nonfinite_steps = int(counters["nonfinite_steps"])
+        self.rollout_age = int(counters.get("rollout_age", 0))
 
 
 def _setup_name(optimizer_format: str, stage: int | None) -> str:
@@ -124,8 +155,7 @@ class CheckpointMixin:
         ckpt.save_json(os.path.join(directory, PPO_STATE), {
             "kl_controller": self.kl_controller.state_dict(),
             "guards": self.guards.state_dict(),
-            "data_cursor": dict(self._data_cursor),
-            "counters": {"stale_discarded": self._stale_discarded, "nonfinite_steps": self._nonfinite_steps},
+            **self.counters.state_dict(),
             "world_size": self.accelerator.num_processes,
             "batch_size": self.args.batch_size,
             "optimizer_format": DEEPSPEED_STATE if self.is_deepspeed_enabled else "torch",
@@ -182,11 +212,9 @@ class CheckpointMixin:
         self.lr_scheduler.load_state_dict(scheduler_state)
         self.kl_controller.load_state_dict(ppo_state["kl_controller"])
         self.guards.load_state_dict(ppo_state["guards"])
-        self._data_cursor = dict(ppo_state["data_cursor"])
+        self.counters.load_state_dict(ppo_state)
         if not exact:
-            self._data_cursor = self._rederive_cursor(ppo_state)
-        self._stale_discarded = ppo_state["counters"]["stale_discarded"]
-        self._nonfinite_steps = ppo_state["counters"]["nonfinite_steps"]
+            self.counters.batches = self._rederive_batches(ppo_state)
         self._load_inflight(path, exact)
         resumed = type(self.state).load_from_json(os.path.join(path, ckpt.COMPLETE_MARKER))
         for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos"):
@@ -227,13 +255,13 @@ class CheckpointMixin:
         )
         return False
 
-    def _rederive_cursor(self, ppo_state: dict) -> dict:
-        """The data cursor for another process count: the first batch that starts at or after
-        the prompts of the epoch the checkpoint had consumed (a few may be skipped, none repeated)."""
-        cursor = ppo_state["data_cursor"]
+    def _rederive_batches(self, ppo_state: dict) -> int:
+        """Batches consumed in the saved epoch, for another process count: up to the first batch
+        that starts at or after the prompts the checkpoint had consumed (a few may be skipped,
+        none repeated)."""
         saved_batch = ppo_state.get("batch_size") or self.plan.local_batch_size * ppo_state["world_size"]
-        consumed = cursor["batches"] * saved_batch
-        return {"epoch": cursor["epoch"], "batches": math.ceil(consumed / self.plan.batch_size)}
+        consumed = ppo_state["data_cursor"]["batches"] * saved_batch
+        return math.ceil(consumed / self.plan.batch_size)
 
     def _load_deepspeed_state(self, path: str) -> None:
         """DeepSpeed's own checkpoint: module weights, fp32 masters and this process's optimizer shard."""

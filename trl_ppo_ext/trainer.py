@@ -66,7 +66,7 @@ from .rollout import (
     sequence_inputs,
     stop_token_ids,
 )
-from .run_state import CheckpointMixin
+from .run_state import CheckpointMixin, RunCounters
 from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
@@ -272,9 +272,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
                 "eval metric."
             )
-        self._data_cursor = {"epoch": 0, "batches": 0}
+        self.counters = RunCounters()
         self._protected_checkpoints: set[str] = set()
-        self._stale_discarded = self._nonfinite_steps = self._rollout_age = 0
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
         self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
         self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
@@ -713,16 +712,16 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
 
     def _repeat_dataloader(self):
         """Batches forever, epoch after epoch, from the saved cursor (exact resume)."""
-        cursor = self._data_cursor
+        counters = self.counters
         while True:
-            self.dataloader.set_epoch(cursor["epoch"])  # accelerate resets the sampler epoch from this
-            skip = cursor["batches"]
+            self.dataloader.set_epoch(counters.epoch)  # accelerate resets the sampler epoch from this
+            skip = counters.batches
             for index, batch in enumerate(self.dataloader):
                 if index < skip:
                     continue
-                cursor["batches"] = index + 1
+                counters.batches = index + 1
                 yield batch
-            cursor["epoch"], cursor["batches"] = cursor["epoch"] + 1, 0
+            counters.epoch, counters.batches = counters.epoch + 1, 0
 
     def produce_rollout(self) -> Rollout:
         """The next scored rollout. The synchronous default generates it now from the next
@@ -737,9 +736,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             age = self.state.global_step - rollout.policy_version
             if self.args.max_rollout_age is None or age <= self.args.max_rollout_age:
                 self.guards.fresh_rollout()
-                self._rollout_age = age
+                self.counters.rollout_age = age
                 return rollout
-            self._stale_discarded += 1
+            self.counters.stale_discarded += 1
             logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
                            "regenerating it with the current policy.", update, age, self.args.max_rollout_age)
             decision = self.guards.stale_rollout(update)
@@ -954,14 +953,14 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             rollout={f.name: getattr(rollout, f.name) for f in fields(rollout)},
             advantages={f.name: getattr(adv, f.name) for f in fields(adv)},
             epoch=next_epoch, mini_batch=next_index, order=order if next_epoch == epoch else None,
-            stats={k: list(v) for k, v in stats.items()}, rollout_age=self._rollout_age,
+            stats={k: list(v) for k, v in stats.items()}, rollout_age=self.counters.rollout_age,
         )
         raise UpdatePreempted(f"SIGTERM after PPO epoch {epoch}, mini-batch {index}")
 
     def _resumed_rollout(self) -> tuple[Rollout, Advantages]:
         """The rollout and advantages of the update a preempted checkpoint stopped in."""
         inflight = self._resume_inflight
-        self._rollout_age = inflight.rollout_age
+        self.counters.rollout_age = inflight.rollout_age
         return Rollout(**inflight.rollout), Advantages(**inflight.advantages)
 
     def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
@@ -1010,7 +1009,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 logger.warning("Update %d: DeepSpeed applied a step whose loss was not finite (its gradients "
                                "were finite); it is counted as skipped.", update)
             self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
-            self._nonfinite_steps += 1
+            self.counters.nonfinite_steps += 1
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
             return self.guards.nonfinite_step(update)
         self.optimizer.step()
@@ -1106,9 +1105,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         metrics = {k: float(v) for k, v in zip(names, gathered.tolist())}
         metrics["val/ratio_max"] = float(ratio_max)
         metrics.update(self._reward_metrics(rollout))
-        metrics["policy/lag"] = float(self._rollout_age)
-        metrics["rollout/stale_discarded"] = float(self._stale_discarded)
-        metrics["train/nonfinite_steps"] = float(self._nonfinite_steps)
+        metrics["policy/lag"] = float(self.counters.rollout_age)
+        metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
+        metrics["train/nonfinite_steps"] = float(self.counters.nonfinite_steps)
         return metrics
 
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
