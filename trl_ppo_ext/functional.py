@@ -632,7 +632,7 @@ def masked_clipped_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: Optional[float],
     num_tokens: Optional[Union[float, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss ``0.5 * masked_mean(max((V - R)**2, (clip(V) - R)**2))``.
 
     Args:
