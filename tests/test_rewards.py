@@ -19,6 +19,7 @@ from trl_ppo_ext.rewards import (
     call_functions,
     check_outputs,
     combine_scores,
+    evaluate_rewards,
     reward_name,
     values_and_mask,
 )
@@ -44,6 +45,43 @@ def test_nan_from_a_function_reaches_the_score():
     assert applies.all()
     scores = combine_scores(values, applies, torch.tensor([1.0]))
     assert math.isnan(scores[0]) and scores[1] == 1.0
+
+
+def test_evaluate_rewards_weights_a_model_and_a_function_over_what_applies():
+    tok = build_tiny_tokenizer()
+    rm = build_tiny_scorer(tok)
+
+    def half_or_none(completions, **kwargs):
+        return [0.5 if c == "ok" else None for c in completions]
+
+    rewards = build_rewards(rm, [half_or_none], [2.0, 4.0])
+    asked = []
+
+    def model_scores(reward):
+        asked.append(reward.name)
+        return torch.tensor([1.0, -1.0], dtype=torch.float64)  # any dtype: made float32
+
+    scores, values, applies = evaluate_rewards(
+        rewards, model_scores, lambda: {"completions": ["ok", "no"]}, batch_size=2, update=1, device="cpu")
+    # row 0: 2 * 1.0 + 4 * 0.5 = 4.0; row 1: the function does not apply -> 2 * -1.0 = -2.0
+    assert scores.tolist() == [4.0, -2.0] and asked == [rewards[0].name]  # the model, once; not the function
+    assert values.dtype == torch.float32 and values[0].tolist() == [1.0, 0.5] and math.isnan(values[1, 1])
+    assert applies.tolist() == [[True, True], [True, False]]
+
+
+def test_evaluate_rewards_warns_when_no_reward_applies_and_builds_no_kwargs_without_functions(caplog):
+    rewards = build_rewards(None, [lambda completions, **kw: [None, 3.0]], None)
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.rewards"):
+        scores, _, applies = evaluate_rewards(rewards, None, lambda: {"completions": ["a", "b"]}, 2, 1, "cpu")
+    assert scores.tolist() == [0.0, 3.0] and applies.tolist() == [[False], [True]]
+    assert any("1 of 2 completions got no reward" in r.getMessage() for r in caplog.records)
+
+    def no_kwargs():
+        raise AssertionError("reward-function arguments built for a batch without reward functions")
+
+    rm = build_tiny_scorer(build_tiny_tokenizer())
+    scores, _, _ = evaluate_rewards(build_rewards(rm, None, None), lambda r: torch.ones(3), no_kwargs, 3, 1, "cpu")
+    assert scores.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_names_and_weights():

@@ -218,3 +218,44 @@ def values_and_mask(columns: list[list[float | None]], device) -> tuple[torch.Te
     values = torch.tensor([[math.nan if v is None else v for v in row] for row in rows], dtype=torch.float32,
                           device=device)
     return values, applies
+
+
+def evaluate_rewards(
+    rewards: Sequence[Reward], model_scores: Callable[[Reward], torch.Tensor], function_kwargs: Callable[[], dict],
+    batch_size: int, update: int, device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every reward on a batch of ``B`` completions, and their weighted sum.
+
+    Args:
+        rewards: from :func:`build_rewards`, ``F`` of them.
+        model_scores: ``reward -> (B,)`` scores of a model reward (the caller runs the model).
+        function_kwargs: ``() -> dict``, the keyword arguments of the reward functions; called
+            only when there is a function.
+        update: the update number, for error messages.
+    Returns:
+        ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool)``: the weighted sum
+        (:func:`combine_scores`), each reward's value (NaN where it does not apply) and where it
+        applies. A completion no reward applies to scores 0, with a warning.
+    """
+    values: list = [None] * len(rewards)  # (B,) float32 per reward
+    applies: list = [None] * len(rewards)  # (B,) bool per reward
+    for k, reward in enumerate(rewards):
+        if reward.is_model:  # model scores stay on the device: no host round trip
+            values[k] = model_scores(reward).float().to(device)
+            applies[k] = torch.ones(batch_size, dtype=torch.bool, device=device)
+    functions = [k for k, r in enumerate(rewards) if not r.is_model]
+    if functions:
+        outputs = call_functions([rewards[k] for k in functions], function_kwargs(), batch_size, update)
+        fn_values, fn_applies = values_and_mask(outputs, device)
+        for j, k in enumerate(functions):
+            values[k], applies[k] = fn_values[:, j], fn_applies[:, j]
+    values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
+    none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
+    if none_apply:
+        logger.warning(
+            "%d of %d completions got no reward: every reward function returned None for them (score 0). "
+            "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
+            none_apply, batch_size,
+        )
+    weights = torch.tensor([r.weight for r in rewards], device=device)
+    return combine_scores(values, applies, weights), values, applies

@@ -47,7 +47,7 @@ from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
 from .quantization import is_4bit_model, make_4bit_cpu_safe
-from .rewards import build_rewards, call_functions, combine_scores, values_and_mask
+from .rewards import build_rewards, evaluate_rewards
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -818,35 +818,15 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """
         if chunks is None:
             chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
-        device = sample.responses.device
-        values: list = [None] * len(self.rewards)  # (B,) float32 per reward, NaN where it does not apply
-        applies: list = [None] * len(self.rewards)  # (B,) bool per reward
-        for k, reward in enumerate(self.rewards):
-            if reward.is_model:  # scores stay on the device: no host round trip for models
-                with self._frozen_on_device(reward.source, self.args.offload_reward_model):
-                    # `reward_model` through the two-argument form, which subclasses may override as in TRL
-                    extra = () if reward.source is self.reward_model else (reward.source,)
-                    scores = torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
-                values[k] = scores.float().to(device)
-                applies[k] = torch.ones(sample.batch_size, dtype=torch.bool, device=device)
-        functions = [(k, r) for k, r in enumerate(self.rewards) if not r.is_model]
-        if functions:
-            update = self.state.global_step + 1
-            outputs = call_functions([r for _, r in functions], self.reward_function_kwargs(sample),
-                                     sample.batch_size, update)
-            fn_values, fn_applies = values_and_mask(outputs, device)
-            for j, (k, _) in enumerate(functions):
-                values[k], applies[k] = fn_values[:, j], fn_applies[:, j]
-        values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
-        weights = torch.tensor([r.weight for r in self.rewards], device=device)
-        none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
-        if none_apply:
-            logger.warning(
-                "%d of %d completions got no reward: every reward function returned None for them (score 0). "
-                "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
-                none_apply, sample.batch_size,
-            )
-        return combine_scores(values, applies, weights), values, applies
+
+        def model_scores(reward) -> torch.Tensor:
+            with self._frozen_on_device(reward.source, self.args.offload_reward_model):
+                # `reward_model` through the two-argument form, which subclasses may override as in TRL
+                extra = () if reward.source is self.reward_model else (reward.source,)
+                return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
+
+        return evaluate_rewards(self.rewards, model_scores, lambda: self.reward_function_kwargs(sample),
+                                sample.batch_size, self.state.global_step + 1, sample.responses.device)
 
     def reward_function_kwargs(self, rollout: SampledBatch) -> dict:
         """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
