@@ -162,9 +162,17 @@ def _assert_metrics(trainer, n_updates):
         assert not bad, f"non-finite metrics {bad}"
 
 
+@pytest.fixture(scope="session")
+def assert_metrics():
+    return _assert_metrics
+
+
+@pytest.fixture(scope="session")
+def record_optimizer_steps():
+    return tiny_setup.record_optimizer_steps
+
+
 # ---------------------------------------------------------------- until every module asks for fixtures
 prompt_dataset = tiny_setup.prompt_dataset
 tiny_config = tiny_setup.tiny_config
 tiny_models = tiny_setup.tiny_models
-record_optimizer_steps = tiny_setup.record_optimizer_steps
-assert_metrics = _assert_metrics
