@@ -171,8 +171,3 @@ def assert_metrics():
 def record_optimizer_steps():
     return tiny_setup.record_optimizer_steps
 
-
-# ---------------------------------------------------------------- until every module asks for fixtures
-prompt_dataset = tiny_setup.prompt_dataset
-tiny_config = tiny_setup.tiny_config
-tiny_models = tiny_setup.tiny_models
