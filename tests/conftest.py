@@ -49,6 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# The plain set-up functions sit beside the subprocess scripts, which import them the same way.
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import tiny_setup  # noqa: E402
 
