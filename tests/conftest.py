@@ -1,7 +1,45 @@
-"""Tiny local models, tokenizers and prompt datasets shared by the trainer tests."""
+"""Fixtures shared by the trainer tests: a tiny tokenizer, prompts, models, a PPOConfig, and the
+one way a test builds a ``PPOTrainer``. Test modules never import this file; they ask for the
+fixtures by name.
 
+``tok``
+    A tiny tokenizer (``build_tiny_tokenizer()``: ``<pad>`` pads, on the left), new for each test.
+    A test that needs another one (pad == eos, right padding, more words) builds it with
+    ``trl_ppo_ext.tiny.build_tiny_tokenizer`` and hands it to the builder.
+``make_prompts(tokenizer, n=16, min_len=2, max_len=5, seed=0)``
+    A ``Dataset`` of ``n`` random tokenized prompts (``input_ids`` only).
+``make_models(tokenizer, **llama_config) -> (policy, ref_policy, value_model, reward_model)``
+    The four tiny models (seeds 0, 0, 1, 2: the reference starts equal to the policy).
+``make_config(**overrides) -> PPOConfig``
+    A config for a CPU run of a few seconds, writing to ``tmp_path / "out"``.
+``make_trainer(tok=None, *, cls=PPOTrainer, args=None, model=, ref_model=, value_model=,
+             reward_model=, train_dataset=, **kwargs)``
+    The trainer builder. What is not given is the tiny default: a fresh ``build_tiny_tokenizer()``
+    for ``tok`` (the ``processing_class``), ``make_models(tok)``'s model for each model keyword,
+    ``make_prompts(tok)`` for ``train_dataset``, ``make_config(**overrides)`` for ``args``. Anything
+    given is passed through as is: ``ref_model=None`` reaches the trainer as None. ``kwargs``
+    that are ``PPOTrainer`` keywords (``peft_config``, ``reward_funcs``, ``eval_dataset``,
+    ``eval_metrics``, ``optimizers``, ``callbacks``, ``data_collator``) go to the trainer, the
+    rest are config overrides (``output_dir=...`` included); overrides beside ``args`` are an
+    error. ``cls`` is a ``PPOTrainer`` subclass to build instead. The constructor's errors
+    propagate, so a test of a bad input uses the builder too.
+``trainer_builder(root)``
+    The same builder writing under ``root`` instead of ``tmp_path``: for module-scoped fixtures,
+    which cannot use the per-test ``make_trainer``.
+``assert_metrics(trainer, n_updates)``
+    Every one of ``n_updates`` logged updates has every expected metric, all finite.
+``record_optimizer_steps(trainer) -> list``
+    Counts the torch optimizer's real steps; the list gets one count per logged update.
+
+The plain functions behind these live in ``tests/scripts/tiny_setup.py``, which the subprocess
+scripts beside it import directly (they run outside pytest).
+"""
+
+import inspect
 import math
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -10,6 +48,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The plain set-up functions sit beside the subprocess scripts, which import them the same way.
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import tiny_setup  # noqa: E402
+
+from trl_ppo_ext import PPOTrainer  # noqa: E402
+from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,80 +73,76 @@ def _cpu_threads():
     yield
 
 
-def prompt_dataset(tokenizer, n=16, min_len=2, max_len=5, seed=0):
-    """``n`` random prompts of ordinary words, tokenized (ids only), lengths in [min_len, max_len]."""
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(seed)
-    first_word_id = tokenizer.convert_tokens_to_ids("w0")
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        ids = torch.randint(first_word_id, len(tokenizer), (length,), generator=g).tolist()
-        rows.append(ids)
-    return Dataset.from_dict({"input_ids": rows})
+# ---------------------------------------------------------------- the pieces of a tiny run
+@pytest.fixture
+def tok():
+    return build_tiny_tokenizer()
 
 
-def tiny_config(tmp_path, **overrides):
-    from trl_ppo_ext import PPOConfig
-
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        total_episodes=8,
-        response_length=6,
-        num_ppo_epochs=1,
-        num_mini_batches=1,
-        local_rollout_forward_batch_size=4,
-        learning_rate=1e-3,
-        report_to=[],
-        disable_tqdm=True,
-        num_sample_generations=0,
-        save_strategy="no",
-        logging_steps=1,
-        stop_token="eos",
-        seed=0,
-        bf16=False,
-    )
-    kwargs.update(overrides)
-    return PPOConfig(**kwargs)
+@pytest.fixture(scope="session")
+def make_prompts():
+    return tiny_setup.prompt_dataset
 
 
-def tiny_models(tokenizer, **config_kwargs):
-    """``(policy, ref_policy, value_model, reward_model)``; the reference starts equal to the policy."""
-    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer
-
-    policy = build_tiny_causal_lm(tokenizer, seed=0, **config_kwargs)
-    ref = build_tiny_causal_lm(tokenizer, seed=0, **config_kwargs)
-    value = build_tiny_scorer(tokenizer, seed=1, **config_kwargs)
-    reward = build_tiny_scorer(tokenizer, seed=2, **config_kwargs)
-    return policy, ref, value, reward
+@pytest.fixture(scope="session")
+def make_models():
+    return tiny_setup.tiny_models
 
 
-def record_optimizer_steps(trainer):
-    """Count real optimizer steps: returns a list that gets, at each logged update, the number
-    of times the wrapped torch optimizer actually stepped during that update."""
-    inner = trainer.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
-    counts, current = [], [0]
-    step = inner.step
+@pytest.fixture
+def make_config(tmp_path):
+    def make_config(**overrides):
+        return tiny_setup.tiny_config(tmp_path, **overrides)
 
-    def counting_step(*args, **kwargs):
-        current[0] += 1
-        return step(*args, **kwargs)
-
-    inner.step = counting_step
-    log_update = trainer.log_update
-
-    def log_and_count(metrics):
-        counts.append(current[0])
-        current[0] = 0
-        return log_update(metrics)
-
-    trainer.log_update = log_and_count
-    return counts
+    return make_config
 
 
+# ---------------------------------------------------------------- the trainer builder
+class _NotGiven:
+    def __repr__(self):
+        return "<not given>"
+
+
+NOT_GIVEN = _NotGiven()
+
+
+class TrainerBuilder:
+    """``make_trainer``: see the module docstring. Builds the defaults it is not given in
+    tiny_setup's order (policy, reference, value, reward), so the global RNG the trainer starts
+    from is the one the models' seeds leave, as when a test builds all four itself."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+
+    def __call__(self, tok=None, *, cls=PPOTrainer, args=None, model=NOT_GIVEN, ref_model=NOT_GIVEN,
+                 value_model=NOT_GIVEN, reward_model=NOT_GIVEN, train_dataset=NOT_GIVEN, **kwargs):
+        tok = build_tiny_tokenizer() if tok is None else tok
+        keywords = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "processing_class"}
+        trainer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in keywords}
+        if args is not None and kwargs:
+            raise TypeError(f"config overrides {sorted(kwargs)} given beside an explicit `args`")
+        models = dict(model=model, ref_model=ref_model, value_model=value_model, reward_model=reward_model)
+        for role, given in models.items():
+            if given is NOT_GIVEN:
+                models[role] = tiny_setup.tiny_model(role, tok)
+        if args is None:
+            args = tiny_setup.tiny_config(self.root, **kwargs)
+        if train_dataset is NOT_GIVEN:
+            train_dataset = tiny_setup.prompt_dataset(tok)
+        return cls(args=args, processing_class=tok, train_dataset=train_dataset, **models, **trainer_kwargs)
+
+
+@pytest.fixture
+def make_trainer(tmp_path):
+    return TrainerBuilder(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def trainer_builder():
+    return TrainerBuilder
+
+
+# ---------------------------------------------------------------- checks on a trainer
 EXPECTED_METRICS = [
     "objective/scores", "objective/non_score_reward", "objective/rlhf_reward", "objective/kl",
     "objective/entropy", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
@@ -111,7 +152,7 @@ EXPECTED_METRICS = [
 ]
 
 
-def assert_metrics(trainer, n_updates):
+def _assert_metrics(trainer, n_updates):
     """Every update of ``trainer`` logged every expected metric, all finite."""
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert len(logs) == n_updates
@@ -120,3 +161,14 @@ def assert_metrics(trainer, n_updates):
         assert not missing, f"missing metrics {missing}"
         bad = {k: entry[k] for k in EXPECTED_METRICS if not math.isfinite(entry[k])}
         assert not bad, f"non-finite metrics {bad}"
+
+
+@pytest.fixture(scope="session")
+def assert_metrics():
+    return _assert_metrics
+
+
+@pytest.fixture(scope="session")
+def record_optimizer_steps():
+    return tiny_setup.record_optimizer_steps
+

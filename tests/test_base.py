@@ -287,10 +287,10 @@ class Block(importlib.abc.MetaPathFinder):
         if name in ("trl.trainer.base_trainer", "trl.trainer.base_config"):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-sys.path.insert(0, {str(ROOT / "tests")!r})
+sys.path.insert(0, {str(ROOT / "tests" / "scripts")!r})
 from pathlib import Path
 import transformers
-from conftest import prompt_dataset, tiny_config, tiny_models
+from tiny_setup import prompt_dataset, tiny_config, tiny_models
 from trl_ppo_ext import PPOConfig, PPOTrainer, _compat, _base
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 assert _base.trainer_root() is transformers.Trainer and _base.config_root() is _base.TransformersRootConfig

@@ -5,9 +5,7 @@ per PPO epoch, across epoch ends of the prompt loader, with and without an eval 
 from types import SimpleNamespace
 
 import pytest
-from conftest import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models
 
-from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.batching import BatchPlan
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
@@ -77,18 +75,17 @@ SWEEP = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("per_device, ga, nmb, epochs, prompts, eval_prompts", SWEEP)
-def test_one_optimizer_step_per_mini_batch_per_epoch(tmp_path, per_device, ga, nmb, epochs, prompts, eval_prompts):
+def test_one_optimizer_step_per_mini_batch_per_epoch(make_trainer, make_prompts, record_optimizer_steps,
+                                                    per_device, ga, nmb, epochs, prompts, eval_prompts):
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
     updates = 4
     extra = dict(eval_strategy="steps", eval_steps=1, num_sample_generations=2) if eval_prompts else {}
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, per_device_train_batch_size=per_device, gradient_accumulation_steps=ga,
-                         num_mini_batches=nmb, num_ppo_epochs=epochs, total_episodes=updates * per_device * ga,
-                         response_length=3, local_rollout_forward_batch_size=8, **extra),
-        processing_class=tok, model=policy, ref_model=ref, reward_model=reward, value_model=value,
-        train_dataset=prompt_dataset(tok, n=prompts),
-        eval_dataset=prompt_dataset(tok, n=eval_prompts, seed=1) if eval_prompts else None,
+    trainer = make_trainer(
+        tok, per_device_train_batch_size=per_device, gradient_accumulation_steps=ga, num_mini_batches=nmb,
+        num_ppo_epochs=epochs, total_episodes=updates * per_device * ga, response_length=3,
+        local_rollout_forward_batch_size=8, **extra,
+        train_dataset=make_prompts(tok, n=prompts),
+        eval_dataset=make_prompts(tok, n=eval_prompts, seed=1) if eval_prompts else None,
     )
     steps = record_optimizer_steps(trainer)
     trainer.train()

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-from conftest import prompt_dataset, tiny_config, tiny_models
 
 from trl_ppo_ext import PPOTrainer
-from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 PACKAGE = Path(__file__).parents[1] / "trl_ppo_ext"
 
@@ -94,11 +92,8 @@ def test_the_set_of_attributes_inherited_methods_read_is_pinned():
     )
 
 
-def test_every_pinned_attribute_is_set_on_a_new_trainer(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref,
-                         reward_model=reward, train_dataset=prompt_dataset(tok), value_model=value)
+def test_every_pinned_attribute_is_set_on_a_new_trainer(make_trainer):
+    trainer = make_trainer()
     missing = sorted(a for a in PINNED - set(NOT_ALWAYS_SET) if not hasattr(trainer, a))
     assert missing == [], f"read by inherited Trainer methods but not set by PPOTrainer.__init__: {missing}"
 

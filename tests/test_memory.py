@@ -348,15 +348,12 @@ def test_update_logits_match_a_measured_loss_and_backward(dtype):
 
 
 @pytest.mark.slow
-def test_one_ppo_update_on_the_cpu_matches_the_model(tmp_path):
+def test_one_ppo_update_on_the_cpu_matches_the_model(make_trainer, make_prompts):
     """A whole update of the trainer (shared LoRA, fp32) under live_tensor_bytes: update within
     5% of the model, generation within -8%/+5% (after other tests in the same process the
     measured generation peak was 5.4% above the model: buffers a process builds lazily),
     scoring over-predicted by at most 15% (on the CPU the fp32 logsumexp scratch rows the model
     counts are not seen)."""
-    from conftest import prompt_dataset, tiny_config
-
-    from trl_ppo_ext import PPOTrainer
     from trl_ppo_ext.modeling import SharedActorCritic, default_lora_config
     from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, default_words
 
@@ -365,12 +362,11 @@ def test_one_ppo_update_on_the_cpu_matches_the_model(tmp_path):
     B, P, T = 4, 8, 24
     policy = build_tiny_causal_lm(tok, seed=0, **dims)
     model = SharedActorCritic(policy, lora_config=default_lora_config(policy, r=8))
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, response_length=T, per_device_train_batch_size=B, total_episodes=B,
-                         local_rollout_forward_batch_size=B, stop_token=None, gradient_checkpointing=False),
-        processing_class=tok, model=model, ref_model=None, value_model=None,
-        reward_model=build_tiny_scorer(tok, seed=2, **dims),
-        train_dataset=prompt_dataset(tok, n=B, min_len=P, max_len=P))
+    trainer = make_trainer(
+        tok, model=model, ref_model=None, value_model=None, reward_model=build_tiny_scorer(tok, seed=2, **dims),
+        train_dataset=make_prompts(tok, n=B, min_len=P, max_len=P), response_length=T,
+        per_device_train_batch_size=B, total_episodes=B, local_rollout_forward_batch_size=B, stop_token=None,
+        gradient_checkpointing=False)
     peaks = {}
 
     def record(method: str, phase: str):

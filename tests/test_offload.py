@@ -165,19 +165,16 @@ def test_4bit_model_loaded_on_cuda_round_trips_through_the_cpu(tmp_path):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_trainer_scores_with_an_offloaded_4bit_reward_model_and_parks_it_again(tmp_path):
-    from conftest import prompt_dataset, tiny_config, tiny_models
-
-    from trl_ppo_ext import PPOTrainer
+def test_trainer_scores_with_an_offloaded_4bit_reward_model_and_parks_it_again(tmp_path, make_trainer, make_models):
     from trl_ppo_ext.rollout import sequence_inputs
 
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     build_tiny_scorer(tok, hidden_size=64).save_pretrained(tmp_path / "rm")
-    policy, ref, value, _ = tiny_models(tok)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, offload_reward_model=True, bf16=False, total_episodes=4), processing_class=tok,
-        model=policy, ref_model=ref, value_model=value, train_dataset=prompt_dataset(tok),
+    policy, ref, value, _ = make_models(tok)
+    trainer = make_trainer(
+        tok, model=policy, ref_model=ref, value_model=value,
         reward_model=load_reward_model(tmp_path / "rm", load_in_4bit=True),  # quantized on the GPU
+        offload_reward_model=True, bf16=False, total_episodes=4,
     )
     cpu = {torch.device("cpu")}
     assert module_devices(trainer.reward_model) == cpu  # parked between scoring passes

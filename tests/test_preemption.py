@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import prompt_dataset, tiny_config, tiny_models
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.preemption import InflightUpdate, SigtermWatcher, inflight_filename
@@ -66,9 +65,10 @@ def test_inflight_update_round_trips_through_a_weights_only_file(tmp_path):
 # ---------------------------------------------------------------------- trainer
 class SigtermInStep(PPOTrainer):
     """Sends itself SIGTERM during optimizer step ``at_step`` (1-based) of update ``in_update``.
-    One micro-batch per mini-batch here, so the k-th loss belongs to the k-th step."""
+    One micro-batch per mini-batch here, so the k-th loss belongs to the k-th step. A test sets
+    ``at_step`` on its trainer, never on the class: nothing it sets outlives the test."""
 
-    in_update, at_step, losses = 1, 1, 0
+    in_update, at_step, losses = 1, 1, 0  # defaults; each trainer counts its own losses
 
     def compute_loss_terms(self, mb, adv, num_tokens=None):
         if self.state.global_step + 1 == self.in_update:
@@ -78,16 +78,22 @@ class SigtermInStep(PPOTrainer):
         return super().compute_loss_terms(mb, adv, num_tokens)
 
 
-def _trainer(out, cls=PPOTrainer, **overrides):
-    tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
-    # 4 prompts per update, 2 PPO epochs x 2 mini-batches of 2 rows (one micro-batch each): 4 steps
-    kwargs = dict(total_episodes=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  num_mini_batches=2, num_ppo_epochs=2, save_strategy="no", adaptive_kl=True, kl_target=0.01,
-                  kl_horizon=100, on_sigterm="save_and_return")
-    kwargs.update(overrides)
-    return cls(args=tiny_config(out, **kwargs), processing_class=tok, model=policy, ref_model=ref,
-               reward_model=reward, train_dataset=prompt_dataset(tok, n=10), value_model=value)
+# 4 prompts per update, 2 PPO epochs x 2 mini-batches of 2 rows (one micro-batch each): 4 steps
+RUN = dict(total_episodes=8, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
+           num_ppo_epochs=2, save_strategy="no", adaptive_kl=True, kl_target=0.01, kl_horizon=100,
+           on_sigterm="save_and_return")
+
+
+@pytest.fixture(scope="module")
+def make_sigterm_run(trainer_builder, make_prompts):
+    """``make_sigterm_run(out, cls=PPOTrainer, **overrides)``: the run every test here stops or resumes, written
+    under ``out`` (module-scoped, so the straight run below can use it too)."""
+
+    def make_sigterm_run(out, cls=PPOTrainer, **overrides):
+        tok = build_tiny_tokenizer(pad_equals_eos=True)
+        return trainer_builder(out)(tok, cls=cls, train_dataset=make_prompts(tok, n=10), **{**RUN, **overrides})
+
+    return make_sigterm_run
 
 
 def _params(trainer):
@@ -99,8 +105,8 @@ def _logs(trainer):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    trainer = _trainer(tmp_path_factory.mktemp("straight"))
+def straight(tmp_path_factory, make_sigterm_run):
+    trainer = make_sigterm_run(tmp_path_factory.mktemp("straight"))
     trainer.train()
     return _params(trainer), _logs(trainer)
 
@@ -113,9 +119,10 @@ def straight(tmp_path_factory):
         (4, "checkpoint-1", None),  # the update's last step: it finishes, a plain checkpoint follows
     ],
 )
-def test_sigterm_checkpoints_where_it_stopped_and_resumes_exactly(tmp_path, straight, at_step, folder, resume_at):
-    SigtermInStep.at_step = at_step
-    stopped = _trainer(tmp_path, cls=SigtermInStep)
+def test_sigterm_checkpoints_where_it_stopped_and_resumes_exactly(tmp_path, make_sigterm_run, straight, at_step, folder,
+                                                                  resume_at):
+    stopped = make_sigterm_run(tmp_path, cls=SigtermInStep)
+    stopped.at_step = at_step
     stopped.train()  # save_and_return: train() returns instead of exiting
     assert stopped.state.stop_reason == "preempted"
     assert stopped.state.global_step == (1 if resume_at is None else 0)  # SIGTERM came in update 1 of 2
@@ -132,7 +139,7 @@ def test_sigterm_checkpoints_where_it_stopped_and_resumes_exactly(tmp_path, stra
         assert (saved.order is None) == (resume_at[1] == 0)
         assert len(saved.stats["pg_loss"]) == at_step  # statistics of the steps already taken
 
-    resumed = _trainer(tmp_path)
+    resumed = make_sigterm_run(tmp_path)
     resumed.train(resume_from_checkpoint=True)  # picks the preempted checkpoint: the newest
     assert resumed.state.stop_reason is None and resumed.state.global_step == 2
     params, logs = straight
@@ -141,7 +148,7 @@ def test_sigterm_checkpoints_where_it_stopped_and_resumes_exactly(tmp_path, stra
     assert _logs(resumed) == logs
 
 
-def test_sigterm_right_after_a_save_records_the_stop_without_saving_again(tmp_path):
+def test_sigterm_right_after_a_save_records_the_stop_without_saving_again(tmp_path, make_sigterm_run):
     saves = []
 
     class CountingSaves(SigtermInStep):
@@ -149,22 +156,23 @@ def test_sigterm_right_after_a_save_records_the_stop_without_saving_again(tmp_pa
             saves.append(folder_name or f"checkpoint-{self.state.global_step}")
             return super()._save_checkpoint(model, trial, folder_name)
 
-    CountingSaves.at_step = 4  # the update's last step: save_steps=1 saves checkpoint-1 right after it
-    trainer = _trainer(tmp_path, cls=CountingSaves, save_strategy="steps", save_steps=1)
+    trainer = make_sigterm_run(tmp_path, cls=CountingSaves, save_strategy="steps", save_steps=1)
+    trainer.at_step = 4  # the update's last step: save_steps=1 saves checkpoint-1 right after it
     trainer.train()
     assert saves == ["checkpoint-0", "checkpoint-1"]  # the preemption rewrote no weights (grace time)
     state = json.loads((tmp_path / "out" / "checkpoint-1" / "trainer_state.json").read_text())
     assert (state["global_step"], state["stop_reason"]) == (1, "preempted")
 
 
-def test_on_sigterm_off_leaves_the_signal_alone(tmp_path):
+def test_on_sigterm_off_leaves_the_signal_alone(tmp_path, make_sigterm_run):
     class Look(PPOTrainer):
         seen = None
 
         def compute_loss_terms(self, mb, adv, num_tokens=None):
-            Look.seen = signal.getsignal(signal.SIGTERM)
+            self.seen = signal.getsignal(signal.SIGTERM)
             return super().compute_loss_terms(mb, adv, num_tokens)
 
     before = signal.getsignal(signal.SIGTERM)
-    _trainer(tmp_path, cls=Look, on_sigterm="off", total_episodes=4).train()
-    assert Look.seen is before
+    trainer = make_sigterm_run(tmp_path, cls=Look, on_sigterm="off", total_episodes=4)
+    trainer.train()
+    assert trainer.seen is before

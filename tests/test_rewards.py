@@ -8,10 +8,8 @@ import math
 
 import pytest
 import torch
-from conftest import prompt_dataset, tiny_config, tiny_models
 from datasets import Dataset
 
-from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.data import PromptCollator
 from trl_ppo_ext.rewards import (
     Reward,
@@ -158,18 +156,15 @@ class _LazyEvent:
         return self._get().wait()
 
 
-def test_errors_before_training(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    common = dict(processing_class=tok, model=policy, ref_model=ref, value_model=value,
-                  train_dataset=prompt_dataset(tok))
+def test_errors_before_training(make_trainer, make_models, make_prompts, tok):
+    policy, ref, value, reward = make_models(tok)
+    common = dict(model=policy, ref_model=ref, value_model=value, train_dataset=make_prompts(tok))
     with pytest.raises(ValueError, match=r"reward_weights has 1 weights \[1.0\] but there are 2 rewards"):
-        PPOTrainer(args=tiny_config(tmp_path, reward_weights=[1.0]), reward_model=reward, reward_funcs=[ones],
-                   **common)
+        make_trainer(tok, reward_weights=[1.0], reward_model=reward, reward_funcs=[ones], **common)
     with pytest.raises(ValueError, match="No reward: pass `reward_model`"):
-        PPOTrainer(args=tiny_config(tmp_path), reward_model=None, **common)
+        make_trainer(tok, reward_model=None, **common)
     with pytest.raises(ValueError, match=r"reward_funcs\[0\] is a str"):
-        PPOTrainer(args=tiny_config(tmp_path), reward_model=None, reward_funcs=["accuracy"], **common)
+        make_trainer(tok, reward_model=None, reward_funcs=["accuracy"], **common)
 
 
 # ---------------------------------------------------------------- in the trainer
@@ -185,9 +180,7 @@ def _answer_dataset(tok, n=8):
     return Dataset.from_dict(rows)
 
 
-def test_columns_reach_the_functions_and_an_rm_combines_with_them(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
+def test_columns_reach_the_functions_and_an_rm_combines_with_them(make_trainer, tok):
     seen = []
 
     def starts_with_answer(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
@@ -195,11 +188,8 @@ def test_columns_reach_the_functions_and_an_rm_combines_with_them(tmp_path):
                      "completions": list(completions), "step": trainer_state.global_step})
         return [1.0 if c.split()[:1] == [a] else None for c, a in zip(completions, answer)]
 
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, total_episodes=8, reward_weights=[0.5, 2.0]), processing_class=tok,
-        model=policy, ref_model=ref, reward_model=reward, reward_funcs=[starts_with_answer], value_model=value,
-        train_dataset=_answer_dataset(tok),
-    )
+    trainer = make_trainer(tok, reward_funcs=[starts_with_answer], train_dataset=_answer_dataset(tok),
+                           total_episodes=8, reward_weights=[0.5, 2.0])
     data = _answer_dataset(tok)
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
     call = seen[-1]
@@ -219,9 +209,7 @@ def test_columns_reach_the_functions_and_an_rm_combines_with_them(tmp_path):
     assert math.isfinite(log[f"rewards/{trainer.rewards[0].name}/mean"])
 
 
-def test_conversational_prompts_give_message_completions(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, _ = tiny_models(tok)
+def test_conversational_prompts_give_message_completions(make_trainer, tok):
     w = tok.convert_tokens_to_ids
     data = Dataset.from_dict({
         "input_ids": [[w("w1"), w("w2")]] * 4,
@@ -233,38 +221,27 @@ def test_conversational_prompts_give_message_completions(tmp_path):
         seen.append((prompts, completions))
         return [0.0] * len(completions)
 
-    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=policy,
-                         ref_model=ref, reward_model=None, reward_funcs=record, value_model=value,
-                         train_dataset=data)
+    trainer = make_trainer(tok, reward_model=None, reward_funcs=record, train_dataset=data, total_episodes=4)
     trainer.train()
     prompts, completions = seen[0]
     assert prompts[0] == [{"role": "user", "content": "w1 w2"}]
     assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
 
 
-def test_nan_from_a_reward_function_is_caught_by_the_nonfinite_guard(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, _ = tiny_models(tok)
-    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=16, nonfinite_halt_after=2),
-                         processing_class=tok, model=policy, ref_model=ref, reward_model=None,
-                         reward_funcs=lambda completions, **kw: [float("nan")] * len(completions),
-                         value_model=value, train_dataset=prompt_dataset(tok))
+def test_nan_from_a_reward_function_is_caught_by_the_nonfinite_guard(make_trainer):
+    trainer = make_trainer(reward_model=None, reward_funcs=lambda completions, **kw: [float("nan")] * len(completions),
+                           total_episodes=16, nonfinite_halt_after=2)
     trainer.train()
     assert trainer.state.halted_by == "nonfinite"
 
 
-def test_a_reward_function_as_the_held_out_metric(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-
+def test_a_reward_function_as_the_held_out_metric(make_trainer, make_prompts, tok):
     def length(completion_ids, **kwargs):
         return [float(len(ids)) for ids in completion_ids]
 
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, total_episodes=8, eval_strategy="steps", eval_steps=1,
-                         reward_hacking_metric="length", reward_weights=[1.0, 0.0]),
-        processing_class=tok, model=policy, ref_model=ref, reward_model=reward, reward_funcs=[length],
-        value_model=value, train_dataset=prompt_dataset(tok), eval_dataset=prompt_dataset(tok, n=4, seed=1),
+    trainer = make_trainer(
+        tok, reward_funcs=[length], eval_dataset=make_prompts(tok, n=4, seed=1), total_episodes=8,
+        eval_strategy="steps", eval_steps=1, reward_hacking_metric="length", reward_weights=[1.0, 0.0],
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
@@ -280,17 +257,14 @@ def test_prompt_collator_pads_ids_and_carries_columns():
 
 
 
-def test_trl_ready_made_reward_functions_work_as_is(tmp_path):
+def test_trl_ready_made_reward_functions_work_as_is(make_trainer, tok):
     rewards = pytest.importorskip("trl.rewards", reason="this TRL has no trl.rewards")
-    tok = build_tiny_tokenizer()
-    policy, ref, value, _ = tiny_models(tok)
     w = tok.convert_tokens_to_ids
     data = Dataset.from_dict({"input_ids": [[w("w1"), w("w2")]] * 4,
                               "prompt": [[{"role": "user", "content": "w1 w2"}]] * 4})
     funcs = [rewards.think_format_reward, rewards.get_soft_overlong_punishment(6, 2),
              rewards.get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)]
-    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=policy,
-                         ref_model=ref, reward_model=None, reward_funcs=funcs, value_model=value, train_dataset=data)
+    trainer = make_trainer(tok, reward_model=None, reward_funcs=funcs, train_dataset=data, total_episodes=4)
     trainer.train()
     log = [h for h in trainer.state.log_history if "objective/scores" in h][-1]
     assert log["rewards/think_format_reward/mean"] == 0.0  # no <think> tags from a random tiny model

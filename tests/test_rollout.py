@@ -267,16 +267,10 @@ def test_finalize_responses_with_several_stop_ids():
     assert responses.tolist() == [[5, 9, 0, 0], [5, 6, 2, 0], [5, 6, 7, 8]]
 
 
-def test_the_trainer_warns_once_about_ignored_checkpoint_fields(tmp_path, caplog):
-    from conftest import prompt_dataset, tiny_config, tiny_models
-
-    from trl_ppo_ext import PPOTrainer
-
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
+def test_the_trainer_warns_once_about_ignored_checkpoint_fields(make_trainer, make_models, tok, caplog):
+    policy, ref, value, reward = make_models(tok)
     policy.generation_config.repetition_penalty = 1.05
     with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
-        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref,
-                   reward_model=reward, train_dataset=prompt_dataset(tok), value_model=value)
+        make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     messages = [r.getMessage() for r in caplog.records if "generation_config" in r.getMessage()]
     assert len(messages) == 1 and "repetition_penalty=1.05" in messages[0]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prompt_dataset, tiny_config, tiny_models
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
@@ -17,15 +16,14 @@ from trl_ppo_ext.tiny import build_tiny_tokenizer
 SCRIPT = Path(__file__).parent / "scripts" / "ppo_resume.py"
 
 
-def _trainer(tmp_path, cls=PPOTrainer, eval_dataset=None, eval_metrics=None, **overrides):
-    tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = cls(
-        args=tiny_config(tmp_path, **overrides), processing_class=tok, model=policy, ref_model=ref,
-        reward_model=reward, train_dataset=prompt_dataset(tok), value_model=value,
-        eval_dataset=eval_dataset(tok) if eval_dataset else None, eval_metrics=eval_metrics,
-    )
-    return trainer
+@pytest.fixture
+def make_run(make_trainer):
+    """``make_trainer`` with the tokenizer every run here uses (pad == eos), a fresh one per trainer."""
+
+    def make_run(tok=None, **kwargs):
+        return make_trainer(build_tiny_tokenizer(pad_equals_eos=True) if tok is None else tok, **kwargs)
+
+    return make_run
 
 
 def _params(trainer):
@@ -37,8 +35,8 @@ class NaNScores(PPOTrainer):
         return torch.full((part.batch_size,), float("nan"))
 
 
-def test_nan_scores_skip_steps_then_halt_with_nothing_changed(tmp_path):
-    trainer = _trainer(tmp_path, cls=NaNScores, num_ppo_epochs=2, total_episodes=16, save_strategy="steps",
+def test_nan_scores_skip_steps_then_halt_with_nothing_changed(tmp_path, make_run):
+    trainer = make_run(cls=NaNScores, num_ppo_epochs=2, total_episodes=16, save_strategy="steps",
                        save_steps=1)
     before = _params(trainer)
     trainer.train()
@@ -59,8 +57,8 @@ def test_nan_scores_skip_steps_then_halt_with_nothing_changed(tmp_path):
     assert not (out / "checkpoint-2").exists()
 
 
-def test_kl_bound_halts_naming_kl(tmp_path):
-    trainer = _trainer(tmp_path, kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3",
+def test_kl_bound_halts_naming_kl(make_run):
+    trainer = make_run(kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3",
                        guard_action="halt", guard_warmup=0)
     trainer.train()
     assert trainer.state.halted_by == "kl_range"
@@ -68,10 +66,10 @@ def test_kl_bound_halts_naming_kl(tmp_path):
     assert trainer.state.global_step == 2
 
 
-def test_a_heuristic_guard_warns_once_by_default_and_the_run_finishes(tmp_path, caplog):
+def test_a_heuristic_guard_warns_once_by_default_and_the_run_finishes(make_run, caplog):
     import logging
 
-    trainer = _trainer(tmp_path, kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3",
+    trainer = make_run(kl_max=-1.0, range_patience=2, total_episodes=16, kl_estimator="k3",
                        guard_warmup=0)
     with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
         trainer.train()
@@ -91,8 +89,8 @@ class StaleFirst(PPOTrainer):
         return rollout
 
 
-def test_stale_rollout_is_discarded_and_regenerated(tmp_path):
-    trainer = _trainer(tmp_path, cls=StaleFirst, max_rollout_age=1)
+def test_stale_rollout_is_discarded_and_regenerated(make_run):
+    trainer = make_run(cls=StaleFirst, max_rollout_age=1)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert [h["rollout/stale_discarded"] for h in logs] == [1.0, 1.0]
@@ -100,8 +98,8 @@ def test_stale_rollout_is_discarded_and_regenerated(tmp_path):
     assert trainer.state.global_step == 2 and trainer.state.halted_by is None
 
 
-def test_adaptive_kl_coefficient_moves_and_is_logged(tmp_path):
-    trainer = _trainer(tmp_path, adaptive_kl=True, kl_coef=0.1, kl_target=1e-6, kl_horizon=10, total_episodes=16,
+def test_adaptive_kl_coefficient_moves_and_is_logged(make_run):
+    trainer = make_run(adaptive_kl=True, kl_coef=0.1, kl_target=1e-6, kl_horizon=10, total_episodes=16,
                        kl_estimator="k3")
     trainer.train()
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
@@ -111,8 +109,8 @@ def test_adaptive_kl_coefficient_moves_and_is_logged(tmp_path):
     assert coefs[1] == pytest.approx(0.1 * 0.92, rel=1e-9)
 
 
-def test_manifest_has_every_field(tmp_path):
-    trainer = _trainer(tmp_path, total_episodes=4)
+def test_manifest_has_every_field(tmp_path, make_run):
+    trainer = make_run(total_episodes=4)
     trainer.train()
     m = json.loads((tmp_path / "out" / "run_manifest.json").read_text())
     for key in ("status", "started_at", "stopped_at", "stop_reason", "seed", "models", "tokenizer", "datasets",
@@ -128,13 +126,13 @@ def test_manifest_has_every_field(tmp_path):
     assert m["hyperparameters"]["kl_coef"] == 0.05 and m["environment"]["world_size"] == 1
 
 
-def test_heldout_evaluation_logs_user_metrics(tmp_path):
+def test_heldout_evaluation_logs_user_metrics(make_run, make_prompts):
     def short(prompts, completions):
         return [float(len(c.split()) <= 3) for c in completions]
 
-    trainer = _trainer(tmp_path, eval_dataset=lambda tok: prompt_dataset(tok, n=6, seed=5),
-                       eval_metrics={"short": short}, eval_strategy="steps", eval_steps=1,
-                       per_device_eval_batch_size=3)
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    trainer = make_run(tok, eval_dataset=make_prompts(tok, n=6, seed=5), eval_metrics={"short": short},
+                       eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3)
     torch.manual_seed(123)
     state_before = torch.random.get_rng_state()
     metrics = trainer.evaluate_heldout()
@@ -146,27 +144,27 @@ def test_heldout_evaluation_logs_user_metrics(tmp_path):
     assert all(0.0 <= h["eval/short"] <= 1.0 and math.isfinite(h["eval/kl"]) for h in logs)
 
 
-def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
-    trainer = _trainer(tmp_path, total_episodes=4, save_strategy="steps", save_steps=1)
+def test_corrupt_checkpoint_gives_a_clear_error(tmp_path, make_run):
+    trainer = make_run(total_episodes=4, save_strategy="steps", save_steps=1)
     trainer.train()
     ckpt = tmp_path / "out" / "checkpoint-1"
     (ckpt / "optimizer.pt").write_bytes(b"not a torch file")
-    fresh = _trainer(tmp_path, total_episodes=8)
+    fresh = make_run(total_episodes=8)
     with pytest.raises(ValueError, match=r"could not be read.*damaged"):
         fresh.train(resume_from_checkpoint=str(ckpt))
     os.remove(ckpt / "ppo_state.json")
     with pytest.raises(ValueError, match=r"incomplete: missing \['ppo_state.json'\]"):
-        _trainer(tmp_path, total_episodes=8).train(resume_from_checkpoint=str(ckpt))
+        make_run(total_episodes=8).train(resume_from_checkpoint=str(ckpt))
     with pytest.raises(FileNotFoundError, match=r"does not exist"):
-        _trainer(tmp_path, total_episodes=8).train(resume_from_checkpoint=str(tmp_path / "nope"))
+        make_run(total_episodes=8).train(resume_from_checkpoint=str(tmp_path / "nope"))
 
 
-def test_save_total_limit_keeps_the_pre_ppo_checkpoint(tmp_path):
-    trainer = _trainer(tmp_path, total_episodes=16, save_strategy="steps", save_steps=1, save_total_limit=1)
+def test_save_total_limit_keeps_the_pre_ppo_checkpoint(tmp_path, make_run):
+    trainer = make_run(total_episodes=16, save_strategy="steps", save_steps=1, save_total_limit=1)
     trainer.train()
     names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-0", "checkpoint-4"]
-    resumed = _trainer(tmp_path, total_episodes=24, save_strategy="steps", save_steps=1, save_total_limit=1)
+    resumed = make_run(total_episodes=24, save_strategy="steps", save_steps=1, save_total_limit=1)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6
     names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
@@ -225,10 +223,10 @@ def test_sigterm_during_update_4_exits_0_with_a_checkpoint_that_resumes_exactly(
     _assert_resume_matches(straight_run, tmp_path)
 
 
-def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_path, caplog):
+def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_path, make_run, caplog):
     import logging
 
-    first = _trainer(tmp_path, total_episodes=8, save_strategy="steps", save_steps=1, adaptive_kl=True,
+    first = make_run(total_episodes=8, save_strategy="steps", save_steps=1, adaptive_kl=True,
                      kl_target=0.01, kl_horizon=100)
     first.train()
     ckpt = tmp_path / "out" / "checkpoint-2"
@@ -236,7 +234,7 @@ def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_pa
     state = json.loads((ckpt / "ppo_state.json").read_text())
     state.update(world_size=2, batch_size=8, data_cursor={"epoch": 0, "batches": 1})
     (ckpt / "ppo_state.json").write_text(json.dumps(state))
-    resumed = _trainer(tmp_path, total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
+    resumed = make_run(total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
     with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.run_state"):
         resumed._load_checkpoint(str(ckpt))
     assert any("2 process(es) and this run has 1" in r.getMessage() and "NOT bit-exact" in r.getMessage()
@@ -252,7 +250,7 @@ def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_pa
     assert resumed.state.global_step == 2 and resumed.counters.nonfinite_steps == first.counters.nonfinite_steps
     # 1 batch x 8 prompts consumed of epoch 0; here a batch is 4 prompts: continue at batch 8 / 4 = 2
     assert (resumed.counters.epoch, resumed.counters.batches) == (0, 2)
-    again = _trainer(tmp_path, total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
+    again = make_run(total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
     again.train(resume_from_checkpoint=str(ckpt))  # and it trains on (random streams re-seeded)
     assert again.state.global_step == 4
 

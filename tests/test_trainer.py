@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import assert_metrics, prompt_dataset, tiny_config, tiny_models
 from torch import nn
 
 from trl_ppo_ext import PPOConfig, PPOTrainer
@@ -22,15 +21,12 @@ def _changed(before: dict, module: nn.Module) -> list[str]:
 
 
 @pytest.mark.parametrize("pad_equals_eos,padding_side", [(False, "left"), (True, "left"), (True, "right")])
-def test_train_moves_policy_and_value_only(tmp_path, pad_equals_eos, padding_side):
+def test_train_moves_policy_and_value_only(make_trainer, make_models, assert_metrics, pad_equals_eos, padding_side):
     tok = build_tiny_tokenizer(pad_equals_eos=pad_equals_eos, padding_side=padding_side)
-    policy, ref, value, reward = tiny_models(tok)
+    policy, ref, value, reward = make_models(tok)
     ref_before, rm_before = _snapshot(ref), _snapshot(reward)
     policy_before, value_before = _snapshot(policy), _snapshot(value)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-        train_dataset=prompt_dataset(tok), value_model=value,
-    )
+    trainer = make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     trainer.train()
     assert _changed(policy_before, policy), "policy weights did not move"
     assert _changed(value_before, value), "value weights did not move"
@@ -39,15 +35,14 @@ def test_train_moves_policy_and_value_only(tmp_path, pad_equals_eos, padding_sid
     assert_metrics(trainer, n_updates=2)
 
 
-def test_train_with_peft_config_and_no_ref_model(tmp_path):
+def test_train_with_peft_config_and_no_ref_model(tmp_path, make_trainer, make_models, assert_metrics):
     from peft import LoraConfig
 
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, _, value, reward = tiny_models(tok)
+    policy, _, value, reward = make_models(tok)
     base_before = _snapshot(policy)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=None, reward_model=reward,
-        train_dataset=prompt_dataset(tok), value_model=value,
+    trainer = make_trainer(
+        tok, model=policy, ref_model=None, reward_model=reward, value_model=value,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
     assert trainer.ref_model is None  # the reference is the policy with its adapter disabled
@@ -76,15 +71,11 @@ class _RecordFirstRatio(PPOTrainer):
         return super().compute_loss_terms(mb, adv, num_tokens)
 
 
-def test_first_ratio_is_one(tmp_path):
+def test_first_ratio_is_one(make_trainer):
     """Old log-probs come from the same forward as the update's: ratio = 1 within 1e-5 (fp32)."""
-    tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = _RecordFirstRatio(
-        args=tiny_config(tmp_path, total_episodes=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                         local_rollout_forward_batch_size=3),
-        processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-        train_dataset=prompt_dataset(tok), value_model=value,
+    trainer = make_trainer(
+        build_tiny_tokenizer(pad_equals_eos=True), cls=_RecordFirstRatio, total_episodes=4,
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, local_rollout_forward_batch_size=3,
     )
     trainer.train()
     log_ratio = trainer.first_log_ratio
@@ -193,51 +184,40 @@ def test_missing_eos_penalty_uses_the_configured_stop_token():
 
 
 # ---------------------------------------------------------------- bad input
-def _build(tmp_path, tok=None, dataset=None, **config_overrides):
-    tok = tok or build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    return PPOTrainer(
-        args=tiny_config(tmp_path, **config_overrides), processing_class=tok, model=policy, ref_model=ref,
-        reward_model=reward, train_dataset=dataset if dataset is not None else prompt_dataset(tok), value_model=value,
-    )
-
-
-def test_error_dataset_without_input_ids(tmp_path):
+def test_error_dataset_without_input_ids(make_trainer):
     from datasets import Dataset
 
     with pytest.raises(ValueError, match=r"no `input_ids` column \(columns: \['prompt'\]\)"):
-        _build(tmp_path, dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+        make_trainer(train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
 
 
-def test_error_tokenizer_without_pad_token(tmp_path):
-    tok = build_tiny_tokenizer()
+def test_error_tokenizer_without_pad_token(make_trainer, tok):
     tok.pad_token = None
     with pytest.raises(ValueError, match=r"no pad token.*tokenizer.pad_token = tokenizer.eos_token"):
-        _build(tmp_path, tok=tok)
+        make_trainer(tok)
 
 
-def test_error_unknown_kl_estimator(tmp_path):
+def test_error_unknown_kl_estimator(make_config):
     with pytest.raises(ValueError, match=r"kl_estimator must be one of \['k1', 'k2', 'k3'\], got 'k4'"):
-        tiny_config(tmp_path, kl_estimator="k4")
+        make_config(kl_estimator="k4")
 
 
-def test_error_stop_token_and_stop_token_id(tmp_path):
+def test_error_stop_token_and_stop_token_id(make_config):
     with pytest.raises(ValueError, match=r"stop_token='eos' and stop_token_id=3 are both set"):
-        tiny_config(tmp_path, stop_token="eos", stop_token_id=3)
+        make_config(stop_token="eos", stop_token_id=3)
 
 
-def test_error_batch_sizes_that_do_not_divide(tmp_path):
+def test_error_batch_sizes_that_do_not_divide(make_trainer):
     with pytest.raises(ValueError, match=r"num_mini_batches=3 does not divide the per-process rollout batch.* = 4\."):
-        _build(tmp_path, num_mini_batches=3)
+        make_trainer(num_mini_batches=3)
 
 
-def test_error_dataset_smaller_than_a_batch(tmp_path):
-    tok = build_tiny_tokenizer()
+def test_error_dataset_smaller_than_a_batch(make_trainer, make_prompts, tok):
     with pytest.raises(ValueError, match=r"has 2 prompts, fewer than one rollout batch"):
-        _build(tmp_path, tok=tok, dataset=prompt_dataset(tok, n=2))
+        make_trainer(tok, train_dataset=make_prompts(tok, n=2))
 
 
-def test_trl_config_is_accepted(tmp_path):
+def test_trl_config_is_accepted(tmp_path, make_trainer):
     """A TRL PPOConfig passed to our trainer gets our fields' defaults."""
     from trl_ppo_ext._compat import upstream_ppo_config
 
@@ -246,10 +226,7 @@ def test_trl_config_is_accepted(tmp_path):
         pytest.skip("the installed TRL has no PPOConfig (1.13 removed PPO)")
     trl_args = TRLPPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], total_episodes=4,
                             per_device_train_batch_size=4, num_sample_generations=0)
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = PPOTrainer(args=trl_args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         train_dataset=prompt_dataset(tok), value_model=value)
+    trainer = make_trainer(args=trl_args)
     assert isinstance(trainer.args, PPOConfig)
     assert trainer.args.entropy_coef == 0.0 and trainer.args.whiten_advantages is True
 
@@ -262,37 +239,34 @@ def test_error_args_of_another_type(tmp_path):
                    ref_model=None, reward_model=None, train_dataset=None)
 
 
-def test_error_empty_prompt(tmp_path):
+def test_error_empty_prompt(make_trainer):
     from datasets import Dataset
 
     with pytest.raises(ValueError, match=r"`train_dataset` holds 1 empty prompt\(s\)"):
-        _build(tmp_path, dataset=Dataset.from_dict({"input_ids": [[7, 8], [], [9, 10], [11], [12, 13]]}))
+        make_trainer(train_dataset=Dataset.from_dict({"input_ids": [[7, 8], [], [9, 10], [11], [12, 13]]}))
 
 
-def test_error_prompt_longer_than_positions_minus_response_length(tmp_path):
+def test_error_prompt_longer_than_positions_minus_response_length(make_trainer):
     from datasets import Dataset
 
     # tiny models have max_position_embeddings=256; response_length=6 leaves 250 for the prompt
     rows = [[7] * 3, [8] * 251, [9] * 250, [10] * 4]
     with pytest.raises(ValueError, match=r"1 prompt\(s\) longer than 250 tokens.*longest prompt: 251"):
-        _build(tmp_path, dataset=Dataset.from_dict({"input_ids": rows}))
+        make_trainer(train_dataset=Dataset.from_dict({"input_ids": rows}))
 
 
-def test_response_length_zero_is_refused(tmp_path):
+def test_response_length_zero_is_refused(make_config):
     with pytest.raises(ValueError, match=r"response_length must be >= 1.*got 0"):
-        tiny_config(tmp_path, response_length=0)
+        make_config(response_length=0)
 
 
-def test_all_eos_responses_train(tmp_path):
+def test_all_eos_responses_train(make_trainer, make_models, assert_metrics):
     """A policy that only ever emits EOS: one-token responses, still finite metrics."""
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
+    policy, ref, value, reward = make_models(tok)
     eos_bonus = 1e4 * torch.nn.functional.one_hot(torch.tensor(tok.eos_token_id), len(tok)).float()
     policy.lm_head.register_forward_hook(lambda module, inputs, out: out + eos_bonus)  # EOS at every step
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-        train_dataset=prompt_dataset(tok), value_model=value,
-    )
+    trainer = make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     trainer.train()
     last = trainer.state.log_history[-1]
     assert last["val/response_length"] == 1.0 and last["val/eos_rate"] == 1.0

@@ -5,10 +5,8 @@ dropout, a value adapter, micro-batch size, reward heads, temperature 0."""
 
 import pytest
 import torch
-from conftest import prompt_dataset, tiny_config, tiny_models
 from peft import LoraConfig
 
-from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.rollout import sequence_inputs
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
@@ -25,18 +23,17 @@ def _moved(before, trainer):
 
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "peft"])
-def test_vocab_exact_policy_with_an_added_pad_token_trains(tmp_path, use_peft):
+def test_vocab_exact_policy_with_an_added_pad_token_trains(make_trainer, make_models, make_prompts, use_peft):
     """TRL's own tests and scripts: the tokenizer gets [PAD] after the models were built with
     exactly len(tokenizer) embedding rows; generate used to embed the [PAD] id of a finished row."""
     tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)  # vocab_size == len(tok)
+    policy, ref, value, reward = make_models(tok)  # vocab_size == len(tok)
     tok.add_special_tokens({"pad_token": "[PAD]"})
     assert tok.pad_token_id >= policy.get_input_embeddings().num_embeddings
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, total_episodes=16, response_length=8, stop_token="eos"),
-        processing_class=tok, model=policy, ref_model=None if use_peft else ref, reward_model=reward,
-        value_model=value, train_dataset=prompt_dataset(tok, n=16),
-        peft_config=LoraConfig(**LORA) if use_peft else None,
+    trainer = make_trainer(
+        tok, model=policy, ref_model=None if use_peft else ref, reward_model=reward, value_model=value,
+        train_dataset=make_prompts(tok, n=16), peft_config=LoraConfig(**LORA) if use_peft else None,
+        total_episodes=16, response_length=8, stop_token="eos",
     )
     before = _trainable_snapshot(trainer)
     trainer.train()
@@ -45,16 +42,13 @@ def test_vocab_exact_policy_with_an_added_pad_token_trains(tmp_path, use_peft):
     assert any(n.startswith("value_model.") for n in moved)
 
 
-def test_stop_token_none_ends_the_mask_at_the_eos_generation_stopped_at(tmp_path):
+def test_stop_token_none_ends_the_mask_at_the_eos_generation_stopped_at(make_trainer, make_prompts):
     """TRL's default stop_token=None: transformers still stops at the checkpoint's EOS; every
     masked-in token was sampled, nothing after the EOS counts, the RM reads the EOS."""
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, stop_token=None, response_length=40, per_device_train_batch_size=16,
-                         total_episodes=16, local_rollout_forward_batch_size=16),
-        processing_class=tok, model=policy, ref_model=ref, reward_model=reward, value_model=value,
-        train_dataset=prompt_dataset(tok, n=16),
+    trainer = make_trainer(
+        tok, stop_token=None, response_length=40, per_device_train_batch_size=16, total_episodes=16,
+        local_rollout_forward_batch_size=16, train_dataset=make_prompts(tok, n=16),
     )
     assert trainer.stop_token_ids == (tok.eos_token_id,)
     torch.manual_seed(0)
@@ -66,15 +60,10 @@ def test_stop_token_none_ends_the_mask_at_the_eos_generation_stopped_at(tmp_path
     assert rollout.has_stop.any() and torch.equal(rollout.has_stop, eos.any(1))
 
 
-def test_bf16_config_turns_autocast_on_and_kl_is_zero_at_step_zero(tmp_path):
+def test_bf16_config_turns_autocast_on_and_kl_is_zero_at_step_zero(make_trainer):
     """bf16=True reaches the trainer's Accelerator; old and reference log-probs come from the
     same precision context, so a reference equal to the policy gives exactly 0 KL."""
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, bf16=True, use_cpu=True), processing_class=tok, model=policy, ref_model=ref,
-        reward_model=reward, value_model=value, train_dataset=prompt_dataset(tok),
-    )
+    trainer = make_trainer(bf16=True, use_cpu=True)
     assert trainer.accelerator.mixed_precision == "bf16"
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
     mask = rollout.response_mask
@@ -83,11 +72,9 @@ def test_bf16_config_turns_autocast_on_and_kl_is_zero_at_step_zero(tmp_path):
     assert "_original_forward" not in vars(trainer.unwrapped)
 
 
-def test_config_float_dropout_is_off(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok, attention_dropout=0.5)
-    trainer = PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref,
-                         reward_model=reward, value_model=value, train_dataset=prompt_dataset(tok))
+def test_config_float_dropout_is_off(make_trainer, make_models, tok):
+    policy, ref, value, reward = make_models(tok, attention_dropout=0.5)
+    trainer = make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     rates = [getattr(m, "attention_dropout") for m in trainer.unwrapped.modules() if hasattr(m, "attention_dropout")]
     assert rates and all(r == 0.0 for r in rates)
     trainer.model.train()  # the update runs in train mode: the same rollout must score the same twice
@@ -98,15 +85,13 @@ def test_config_float_dropout_is_off(tmp_path):
     assert torch.equal(first, second)
 
 
-def test_a_value_adapter_stays_trainable_and_trains(tmp_path):
+def test_a_value_adapter_stays_trainable_and_trains(make_trainer, tok):
     from trl_ppo_ext.modeling import SharedActorCritic
 
-    tok = build_tiny_tokenizer()
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(**LORA),
                               value_lora_config=LoraConfig(**LORA))
-    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=8), processing_class=tok, model=model,
-                         ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
-                         train_dataset=prompt_dataset(tok))
+    trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
+                           total_episodes=8)
     before = _trainable_snapshot(trainer)
     value_names = {n for n in before if ".value." in n}
     assert len(value_names) == 8  # q and v, A and B, 2 layers
@@ -115,19 +100,19 @@ def test_a_value_adapter_stays_trainable_and_trains(tmp_path):
     assert value_names <= _moved(before, trainer)
 
 
-def test_the_step_does_not_depend_on_the_micro_batch_size(tmp_path):
+def test_the_step_does_not_depend_on_the_micro_batch_size(tmp_path, make_trainer, make_models, make_prompts):
     """Same rollout, same mini-batch: per-device 1 x 4 accumulation steps and per-device 4 x 1
     take the same SGD step (loss = token mean over the whole mini-batch)."""
     params = []
     for per_device, ga in ((1, 4), (4, 1)):
         tok = build_tiny_tokenizer()
-        policy, ref, value, reward = tiny_models(tok)
+        policy, ref, value, reward = make_models(tok)
         optimizer = torch.optim.SGD([p for m in (policy, value) for p in m.parameters()], lr=1.0)
-        trainer = PPOTrainer(
-            args=tiny_config(tmp_path / str(per_device), per_device_train_batch_size=per_device,
-                             gradient_accumulation_steps=ga, total_episodes=4, response_length=8, max_grad_norm=0),
-            processing_class=tok, model=policy, ref_model=ref, reward_model=reward, value_model=value,
-            train_dataset=prompt_dataset(tok, n=4), optimizers=(optimizer, None),
+        trainer = make_trainer(
+            tok, model=policy, ref_model=ref, reward_model=reward, value_model=value,
+            train_dataset=make_prompts(tok, n=4), optimizers=(optimizer, None),
+            output_dir=str(tmp_path / str(per_device) / "out"), per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=ga, total_episodes=4, response_length=8, max_grad_norm=0,
         )
         before = _trainable_snapshot(trainer)
         trainer.train()
@@ -142,39 +127,32 @@ def test_the_step_does_not_depend_on_the_micro_batch_size(tmp_path):
         torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6)
 
 
-def test_a_one_output_head_is_accepted_whatever_the_config_says(tmp_path):
+def test_a_one_output_head_is_accepted_whatever_the_config_says(make_trainer, make_models, tok):
     """A rule wrapped as a classifier on a LlamaConfig (num_labels defaults to 2) with a 1-output head."""
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
+    policy, ref, value, reward = make_models(tok)
     reward.config.num_labels = 2
     assert reward.score.out_features == 1
-    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=policy,
-                         ref_model=ref, reward_model=reward, value_model=value, train_dataset=prompt_dataset(tok))
+    trainer = make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value,
+                           total_episodes=4)
     trainer.train()
     assert trainer.state.global_step == 1
 
 
-def test_temperature_zero_trains_near_greedily(tmp_path):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    trainer = PPOTrainer(args=tiny_config(tmp_path, temperature=0.0, total_episodes=4), processing_class=tok,
-                         model=policy, ref_model=ref, reward_model=reward, value_model=value,
-                         train_dataset=prompt_dataset(tok))
+def test_temperature_zero_trains_near_greedily(make_trainer):
+    trainer = make_trainer(temperature=0.0, total_episodes=4)
     trainer.train()
     log = trainer.state.log_history[-1]
     assert log["objective/kl"] == pytest.approx(0.0, abs=1e-3)  # greedy tokens: log-probs ~0 for both
 
 
-def test_a_lora_adapter_on_the_embedding_trains(tmp_path):
+def test_a_lora_adapter_on_the_embedding_trains(make_trainer, tok):
     """peft wraps a LoRA'd embedding in a module without `num_embeddings`; the rollout reads the rows
     of the wrapped embedding to pick an in-range pad id."""
     from trl_ppo_ext.modeling import SharedActorCritic
 
-    tok = build_tiny_tokenizer()
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM"))
-    trainer = PPOTrainer(args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=model,
-                         ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
-                         train_dataset=prompt_dataset(tok))
+    trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
+                           total_episodes=4)
     trainer.train()
     assert trainer.state.global_step == 1

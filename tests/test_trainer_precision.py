@@ -7,36 +7,25 @@ import logging
 
 import pytest
 import torch
-from conftest import prompt_dataset, tiny_config, tiny_models
 from peft import LoraConfig
 
-from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.policy_value import scalar_head
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
-def _separate(tmp_path, **overrides):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
-    return PPOTrainer(args=tiny_config(tmp_path, **overrides), processing_class=tok, model=policy, ref_model=ref,
-                      reward_model=reward, value_model=value, train_dataset=prompt_dataset(tok))
-
-
-def test_gradient_checkpointing_follows_the_config(tmp_path):
-    on = _separate(tmp_path / "on", gradient_checkpointing=True)
+def test_gradient_checkpointing_follows_the_config(tmp_path, make_trainer):
+    on = make_trainer(output_dir=str(tmp_path / "on" / "out"), gradient_checkpointing=True)
     assert on.unwrapped.policy.is_gradient_checkpointing and on.unwrapped.value_model.is_gradient_checkpointing
-    off = _separate(tmp_path / "off", gradient_checkpointing=False)
+    off = make_trainer(output_dir=str(tmp_path / "off" / "out"), gradient_checkpointing=False)
     assert not off.unwrapped.policy.is_gradient_checkpointing
 
 
-def test_gradient_checkpointing_on_the_shared_actor_critic_trains(tmp_path):
-    tok = build_tiny_tokenizer()
-    trainer = PPOTrainer(args=tiny_config(tmp_path, gradient_checkpointing=True, total_episodes=4),
-                         processing_class=tok, model=build_tiny_causal_lm(tok), ref_model=None,
-                         reward_model=build_tiny_scorer(tok), value_model=None, train_dataset=prompt_dataset(tok),
-                         peft_config=LoraConfig(**LORA))
+def test_gradient_checkpointing_on_the_shared_actor_critic_trains(make_trainer, tok):
+    trainer = make_trainer(tok, model=build_tiny_causal_lm(tok), ref_model=None, reward_model=build_tiny_scorer(tok),
+                           value_model=None, peft_config=LoraConfig(**LORA), gradient_checkpointing=True,
+                           total_episodes=4)
     assert trainer.unwrapped.is_gradient_checkpointing
     before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
     trainer.train()
@@ -44,23 +33,21 @@ def test_gradient_checkpointing_on_the_shared_actor_critic_trains(tmp_path):
     assert any("lora_B" in n and not torch.equal(p, now[n]) for n, p in before.items())
 
 
-def test_gradient_checkpointing_with_a_value_adapter_is_refused_with_its_reason(tmp_path, caplog):
+def test_gradient_checkpointing_with_a_value_adapter_is_refused_with_its_reason(make_trainer, tok, caplog):
     from trl_ppo_ext.modeling import SharedActorCritic
 
-    tok = build_tiny_tokenizer()
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(**LORA),
                               value_lora_config=LoraConfig(**LORA))
     with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
-        trainer = PPOTrainer(args=tiny_config(tmp_path, gradient_checkpointing=True), processing_class=tok,
-                             model=model, ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
-                             train_dataset=prompt_dataset(tok))
+        trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok),
+                               value_model=None, gradient_checkpointing=True)
     assert not trainer.unwrapped.is_gradient_checkpointing
     assert any("gradient_checkpointing=True is not applied" in r.getMessage() and "adapter" in r.getMessage()
                for r in caplog.records)
 
 
-def test_bf16_in_the_config_is_the_precision_in_effect_and_in_the_manifest(tmp_path):
-    trainer = _separate(tmp_path, bf16=True, use_cpu=True, total_episodes=4)
+def test_bf16_in_the_config_is_the_precision_in_effect_and_in_the_manifest(tmp_path, make_trainer):
+    trainer = make_trainer(bf16=True, use_cpu=True, total_episodes=4)
     assert trainer.accelerator.mixed_precision == "bf16"
     trainer.train()
     manifest = json.loads((tmp_path / "out" / "run_manifest.json").read_text())
@@ -78,13 +65,11 @@ def test_value_head_is_fp32_under_autocast():
     torch.testing.assert_close(out, expected.squeeze(-1), rtol=1e-6, atol=1e-6)
 
 
-def test_half_precision_trainable_weights_are_warned_about(tmp_path, caplog):
-    tok = build_tiny_tokenizer()
-    policy, ref, value, reward = tiny_models(tok)
+def test_half_precision_trainable_weights_are_warned_about(make_trainer, make_models, tok, caplog):
+    policy, ref, value, reward = make_models(tok)
     policy.to(torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
-        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=policy, ref_model=ref,
-                   reward_model=reward, value_model=value, train_dataset=prompt_dataset(tok))
+        make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     assert any("torch.bfloat16" in r.getMessage() and "torch_dtype=torch.float32" in r.getMessage()
                for r in caplog.records)
 
@@ -92,17 +77,17 @@ def test_half_precision_trainable_weights_are_warned_about(tmp_path, caplog):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs bf16 CUDA")
 @pytest.mark.parametrize("shared", [False, True])
-def test_bf16_old_and_reference_logprobs_agree_exactly_when_the_models_do(tmp_path, shared):
+def test_bf16_old_and_reference_logprobs_agree_exactly_when_the_models_do(make_trainer, shared):
     """Under bf16 autocast on CUDA, the old policy and a reference equal to it (a separate copy,
     or the disabled LoRA adapter, whose B starts at 0) give the same log-probs to the bit: one
     precision context for every forward, so the initial KL is 0, not bf16 noise."""
     tok = build_tiny_tokenizer()
     if shared:
-        trainer = PPOTrainer(args=tiny_config(tmp_path, bf16=True, total_episodes=4), processing_class=tok,
-                             model=build_tiny_causal_lm(tok), ref_model=None, reward_model=build_tiny_scorer(tok),
-                             value_model=None, train_dataset=prompt_dataset(tok), peft_config=LoraConfig(**LORA))
+        trainer = make_trainer(tok, model=build_tiny_causal_lm(tok), ref_model=None,
+                               reward_model=build_tiny_scorer(tok), value_model=None, peft_config=LoraConfig(**LORA),
+                               bf16=True, total_episodes=4)
     else:
-        trainer = _separate(tmp_path, bf16=True, total_episodes=4)
+        trainer = make_trainer(bf16=True, total_episodes=4)
     assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.device.type == "cuda"
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
     mask = rollout.response_mask

@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-from conftest import assert_metrics, prompt_dataset, tiny_config
 from peft import LoraConfig
 
-from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.modeling import SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
@@ -21,15 +19,12 @@ def _split_params(ac: SharedActorCritic):
     return trainable, frozen
 
 
-def test_shared_actor_critic_trains_adapter_and_head_only_and_round_trips(tmp_path):
+def test_shared_actor_critic_trains_adapter_and_head_only_and_round_trips(tmp_path, make_trainer, assert_metrics):
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     ac = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=_lora())
     trainable, frozen = _split_params(ac)
     assert any("value_head" in k for k in trainable) and any("lora_" in k for k in trainable)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, num_ppo_epochs=2), processing_class=tok, model=ac, ref_model=None,
-        reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok), value_model=None,
-    )
+    trainer = make_trainer(tok, model=ac, ref_model=None, value_model=None, num_ppo_epochs=2)
     assert trainer.ref_model is None
     trainer.train()
     assert_metrics(trainer, n_updates=2)
@@ -48,27 +43,19 @@ def test_shared_actor_critic_trains_adapter_and_head_only_and_round_trips(tmp_pa
     assert torch.equal(l1, l2) and torch.equal(v1, v2)
 
 
-def test_plain_policy_with_peft_config_and_no_value_model_builds_the_shared_model(tmp_path):
-    tok = build_tiny_tokenizer()
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, total_episodes=4), processing_class=tok, model=build_tiny_causal_lm(tok),
-        ref_model=None, reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok),
-        value_model=None, peft_config=_lora(),
-    )
+def test_plain_policy_with_peft_config_and_no_value_model_builds_the_shared_model(make_trainer, assert_metrics):
+    trainer = make_trainer(ref_model=None, value_model=None, peft_config=_lora(), total_episodes=4)
     assert isinstance(trainer.unwrapped, SharedActorCritic)
     trainer.train()
     assert_metrics(trainer, n_updates=1)
 
 
-def test_reference_logprobs_equal_the_untouched_base(tmp_path):
+def test_reference_logprobs_equal_the_untouched_base(make_trainer):
     """After training, the disabled adapter still gives the base model's log-probs."""
     tok = build_tiny_tokenizer()
     ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=_lora())
     untouched = build_tiny_causal_lm(tok, seed=0)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path), processing_class=tok, model=ac, ref_model=None,
-        reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok), value_model=None,
-    )
+    trainer = make_trainer(tok, model=ac, ref_model=None, value_model=None)
     trainer.train()
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
     from trl_ppo_ext.functional import logprobs_from_logits
@@ -84,7 +71,7 @@ def test_reference_logprobs_equal_the_untouched_base(tmp_path):
     assert not torch.allclose(rollout.logprobs, expected, atol=1e-4), "the adapter did not change the policy"
 
 
-def test_4bit_base_trains_one_ppo_step(tmp_path):
+def test_4bit_base_trains_one_ppo_step(tmp_path, make_trainer, assert_metrics):
     pytest.importorskip("bitsandbytes")
     from trl_ppo_ext.loading import load_actor_critic
 
@@ -94,39 +81,28 @@ def test_4bit_base_trains_one_ppo_step(tmp_path):
     tok.save_pretrained(base_dir)
     ac = load_actor_critic(str(base_dir), lora_r=4, lora_alpha=8, load_in_4bit=True)
     trainable, _ = _split_params(ac)
-    trainer = PPOTrainer(
-        args=tiny_config(tmp_path, total_episodes=4, offload_reward_model=True), processing_class=tok, model=ac,
-        ref_model=None, reward_model=build_tiny_scorer(tok, seed=2), train_dataset=prompt_dataset(tok),
-        value_model=None,
-    )
+    trainer = make_trainer(tok, model=ac, ref_model=None, value_model=None, total_episodes=4,
+                           offload_reward_model=True)
     trainer.train()
     assert_metrics(trainer, n_updates=1)
     now = dict(ac.named_parameters())
     assert not torch.equal(now["value_head.weight"], trainable["value_head.weight"])
 
 
-def test_error_shared_model_with_separate_value_model(tmp_path):
-    tok = build_tiny_tokenizer()
+def test_error_shared_model_with_separate_value_model(make_trainer, tok):
     ac = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=_lora())
     with pytest.raises(ValueError, match=r"has its own value head.*Pass value_model=None"):
-        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=ac, ref_model=None,
-                   reward_model=build_tiny_scorer(tok), train_dataset=prompt_dataset(tok),
-                   value_model=build_tiny_scorer(tok))
+        make_trainer(tok, model=ac, ref_model=None, reward_model=build_tiny_scorer(tok),
+                     value_model=build_tiny_scorer(tok))
 
 
-def test_error_no_value_model_and_no_peft_config(tmp_path):
-    tok = build_tiny_tokenizer()
+def test_error_no_value_model_and_no_peft_config(make_trainer, tok):
     with pytest.raises(ValueError, match=r"value_model=None asks for a shared-backbone value head.*peft_config"):
-        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=build_tiny_causal_lm(tok),
-                   ref_model=None, reward_model=build_tiny_scorer(tok), train_dataset=prompt_dataset(tok),
-                   value_model=None)
+        make_trainer(tok, ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None)
 
 
-def test_error_reward_model_without_scalar_head(tmp_path):
-    tok = build_tiny_tokenizer()
+def test_error_reward_model_without_scalar_head(make_trainer, tok):
     rm = build_tiny_scorer(tok)
     rm.score = torch.nn.Linear(rm.score.in_features, 2, bias=False)
     with pytest.raises(ValueError, match=r"`reward_model`'s score head has 2 outputs.*num_labels=1"):
-        PPOTrainer(args=tiny_config(tmp_path), processing_class=tok, model=build_tiny_causal_lm(tok),
-                   ref_model=None, reward_model=rm, train_dataset=prompt_dataset(tok),
-                   value_model=build_tiny_scorer(tok))
+        make_trainer(tok, ref_model=None, reward_model=rm, value_model=build_tiny_scorer(tok))

@@ -30,20 +30,17 @@ import json
 import os
 import resource
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
+from tiny_setup import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # beside this file
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # noqa: E402
-
-from trl_ppo_ext import PPOTrainer  # noqa: E402
-from trl_ppo_ext.distributed import full_state, zero_stage  # noqa: E402
-from trl_ppo_ext.modeling import SharedActorCritic  # noqa: E402
-from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.distributed import full_state, zero_stage
+from trl_ppo_ext.modeling import SharedActorCritic
+from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
 class KilledInUpdate(PPOTrainer):

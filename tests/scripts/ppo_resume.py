@@ -16,12 +16,10 @@ import sys
 from pathlib import Path
 
 import torch
+from tiny_setup import prompt_dataset, tiny_config, tiny_models  # beside this file
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import prompt_dataset, tiny_config, tiny_models  # noqa: E402
-
-from trl_ppo_ext import PPOTrainer  # noqa: E402
-from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
 class KilledDuringUpdate4(PPOTrainer):

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
+from tiny_setup import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # beside this file
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # noqa: E402
-
-from trl_ppo_ext import PPOTrainer  # noqa: E402
-from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]

@@ -1,0 +1,92 @@
+"""The tiny run the trainer tests share, as plain functions: prompts, a PPOConfig, the four models.
+
+tests/conftest.py turns these into fixtures; the scripts here, run in subprocesses outside
+pytest, import them directly (``python tests/scripts/X.py`` puts this folder first on
+``sys.path``). Not a test module: pytest collects nothing from it.
+"""
+
+from pathlib import Path
+
+import torch
+
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer
+
+# PPOTrainer's keyword for each model, in the order tiny_models builds them, and its seed. Every
+# build re-seeds torch's global RNG, so the RNG a trainer starts from depends on the last model
+# built: building the four in this order keeps it the same whichever ones a caller brings.
+MODEL_SEEDS = {"model": 0, "ref_model": 0, "value_model": 1, "reward_model": 2}
+
+
+def prompt_dataset(tokenizer, n=16, min_len=2, max_len=5, seed=0):
+    """``n`` random prompts of ordinary words, tokenized (ids only), lengths in [min_len, max_len]."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    first_word_id = tokenizer.convert_tokens_to_ids("w0")
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        rows.append(torch.randint(first_word_id, len(tokenizer), (length,), generator=g).tolist())
+    return Dataset.from_dict({"input_ids": rows})
+
+
+def tiny_config(root, **overrides):
+    """A PPOConfig for a CPU run of a few seconds, writing to ``root/out``; ``overrides`` win."""
+    from trl_ppo_ext import PPOConfig
+
+    kwargs = dict(
+        output_dir=str(Path(root) / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        total_episodes=8,
+        response_length=6,
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        local_rollout_forward_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        disable_tqdm=True,
+        num_sample_generations=0,
+        save_strategy="no",
+        logging_steps=1,
+        stop_token="eos",
+        seed=0,
+        bf16=False,
+    )
+    kwargs.update(overrides)
+    return PPOConfig(**kwargs)
+
+
+def tiny_model(role, tokenizer, **config_kwargs):
+    """The tiny model for ``role`` (a key of MODEL_SEEDS): a causal LM for the policy and the
+    reference (equal weights), a scalar scorer for the value and the reward model."""
+    build = build_tiny_causal_lm if role in ("model", "ref_model") else build_tiny_scorer
+    return build(tokenizer, seed=MODEL_SEEDS[role], **config_kwargs)
+
+
+def tiny_models(tokenizer, **config_kwargs):
+    """``(policy, ref_policy, value_model, reward_model)``; the reference starts equal to the policy."""
+    return tuple(tiny_model(role, tokenizer, **config_kwargs) for role in MODEL_SEEDS)
+
+
+def record_optimizer_steps(trainer):
+    """Count real optimizer steps: returns a list that gets, at each logged update, the number
+    of times the wrapped torch optimizer actually stepped during that update."""
+    inner = trainer.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+    counts, current = [], [0]
+    step = inner.step
+
+    def counting_step(*args, **kwargs):
+        current[0] += 1
+        return step(*args, **kwargs)
+
+    inner.step = counting_step
+    log_update = trainer.log_update
+
+    def log_and_count(metrics):
+        counts.append(current[0])
+        current[0] = 0
+        return log_update(metrics)
+
+    trainer.log_update = log_and_count
+    return counts
