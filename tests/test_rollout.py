@@ -2,7 +2,6 @@
 generation config (nothing inherited from a checkpoint), response finalisation, and the
 scoring stage (chunks, the positions each forward is read at, the scored rollout)."""
 
-import logging
 import math
 from contextlib import contextmanager
 from dataclasses import fields
@@ -265,12 +264,3 @@ def test_finalize_responses_with_several_stop_ids():
     assert mask.tolist() == [[True, True, False, False], [True, True, True, False], [True] * 4]
     assert has_stop.tolist() == [True, True, False]
     assert responses.tolist() == [[5, 9, 0, 0], [5, 6, 2, 0], [5, 6, 7, 8]]
-
-
-def test_the_trainer_warns_once_about_ignored_checkpoint_fields(make_trainer, make_models, tok, caplog):
-    policy, ref, value, reward = make_models(tok)
-    policy.generation_config.repetition_penalty = 1.05
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
-        make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
-    messages = [r.getMessage() for r in caplog.records if "generation_config" in r.getMessage()]
-    assert len(messages) == 1 and "repetition_penalty=1.05" in messages[0]

@@ -83,40 +83,33 @@ def test_first_ratio_is_one(make_trainer):
     assert torch.exp(log_ratio).sub(1).abs().max().item() < 1e-5
 
 
-class _ScoreIsReadToken(nn.Module):
-    """A stub reward model whose score is the id of the token it reads (one-hot hidden states)."""
+def test_generation_gives_a_sampled_batch_and_scoring_reads_each_model_on_it(make_trainer):
+    """The two typed stages through the trainer: generation returns a ``SampledBatch`` (nothing
+    to score yet); scoring fills each field from its own model, checked here against each model
+    called directly on the whole batch (the trainer scores in chunks of 3)."""
+    from trl_ppo_ext import functional as F
+    from trl_ppo_ext.policy_value import backbone_hidden, lm_logits, scalar_head, score_at
+    from trl_ppo_ext.rollout import SampledBatch
 
-    base_model_prefix = "backbone"
-
-    def __init__(self, vocab_size):
-        super().__init__()
-        self.config = SimpleNamespace(num_labels=1)
-        emb = nn.Embedding(vocab_size, vocab_size)
-        emb.weight.data = torch.eye(vocab_size)
-        self.embed = emb
-        self.score = nn.Linear(vocab_size, 1, bias=False)
-        self.score.weight.data = torch.arange(vocab_size, dtype=torch.float32)[None]
-
-    def backbone(self, input_ids, **kwargs):
-        return SimpleNamespace(last_hidden_state=self.embed(input_ids))
-
-
-def test_reward_is_read_at_the_eos_not_the_first_pad():
-    """pad == eos: the RM must read the terminal EOS (TRL reads one position late, or stops short)."""
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    eos, w = tok.eos_token_id, tok.convert_tokens_to_ids
-    queries = torch.tensor([[eos, w("w1"), w("w2")], [w("w3"), w("w4"), w("w5")]])  # row 0 left padded with eos
-    query_mask = torch.tensor([[False, True, True], [True, True, True]])
-    responses = torch.tensor([[w("w6"), eos, eos, eos], [w("w7"), w("w8"), w("w9"), w("w10")]])
-    response_mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
-    part = SimpleNamespace(queries=queries, response_mask=response_mask)
-    fake_self = SimpleNamespace(reward_model=_ScoreIsReadToken(len(tok)),
-                                accelerator=SimpleNamespace(autocast=nullcontext))
-
-    inputs = sequence_inputs(queries, query_mask, responses, response_mask)
-    scores = PPOTrainer.reward_scores(fake_self, part, inputs)
-    # row 0 reads its EOS (response index 1); row 1 (truncated) reads its last generated token w10
-    assert scores.tolist() == [float(eos), float(w("w10"))]
+    trainer = make_trainer(tok, local_rollout_forward_batch_size=3)
+    sample = trainer.generate_rollout(next(iter(trainer.dataloader)))
+    assert type(sample) is SampledBatch and not hasattr(sample, "logprobs")
+    rollout = trainer.score_rollout(sample)
+    assert isinstance(rollout, Rollout) and torch.equal(rollout.responses, sample.responses)
+    mask, T = sample.response_mask, sample.responses.shape[1]
+    inputs = sequence_inputs(sample.queries, sample.query_mask, sample.responses, mask)
+    with torch.no_grad():
+        ref = lm_logits(trainer.ref_model, *inputs)[:, -(T + 1):-1] / trainer.temperature
+        expected_ref = F.logprobs_from_logits(ref, sample.valid_responses)
+        value_model = trainer.unwrapped.value_model
+        expected_values = scalar_head(value_model, backbone_hidden(value_model, *inputs))[:, -(T + 1):-1]
+        last = sample.queries.shape[1] + mask.long().cumsum(1).argmax(1)  # index of each row's last valid token
+        expected_scores = score_at(trainer.reward_model, *inputs, index=last)
+    torch.testing.assert_close(rollout.ref_logprobs[mask], expected_ref[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rollout.values[mask], expected_values[mask], rtol=1e-5, atol=1e-5)
+    assert torch.all(rollout.ref_logprobs[~mask] == 0) and torch.all(rollout.values[~mask] == 0)
+    torch.testing.assert_close(rollout.scores, expected_scores, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_ignores_everything_outside_the_response_mask():

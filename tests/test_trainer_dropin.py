@@ -3,6 +3,8 @@ review (issue 9) on tiny local models -- a policy whose embedding has exactly le
 rows with [PAD] added by the script, TRL's stop_token=None, mixed precision, config-float
 dropout, a value adapter, micro-batch size, reward heads, temperature 0."""
 
+import logging
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -156,3 +158,12 @@ def test_a_lora_adapter_on_the_embedding_trains(make_trainer, tok):
                            total_episodes=4)
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_the_trainer_warns_once_about_ignored_checkpoint_fields(make_trainer, make_models, tok, caplog):
+    policy, ref, value, reward = make_models(tok)
+    policy.generation_config.repetition_penalty = 1.05
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
+        make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
+    messages = [r.getMessage() for r in caplog.records if "generation_config" in r.getMessage()]
+    assert len(messages) == 1 and "repetition_penalty=1.05" in messages[0]
