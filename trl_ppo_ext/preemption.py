@@ -65,13 +65,14 @@ class SigtermWatcher:
 
     def stop_agreed(self, accelerator) -> bool:
         """True when any process received SIGTERM. Every process must call it at the same
-        point (one all-reduce of a scalar under several processes)."""
+        point (one all-reduce of a scalar under several processes; nothing on the device
+        with one, so no host sync per optimizer step)."""
         if self.action == "off":
             return False
+        if accelerator.num_processes == 1:
+            return self.received
         flag = torch.tensor([1.0 if self.received else 0.0], device=accelerator.device)
-        if accelerator.num_processes > 1:
-            flag = accelerator.reduce(flag, reduction="sum")
-        return bool(flag.item() > 0)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
 class UpdatePreempted(Exception):

@@ -56,17 +56,19 @@ class SampledBatch:
         added ``[PAD]`` without resizing), as ``sequence_inputs`` does for the model inputs."""
         return self.responses.masked_fill(~self.response_mask, 0)
 
-    def select(self, index: torch.Tensor):
-        """The rows ``index`` ((b,) long) of every tensor field and extra column, as a new
-        object of the same class."""
-        rows = index.tolist()
+    def select(self, index: torch.Tensor | slice):
+        """The rows ``index`` (a ``(b,)`` long tensor or a slice) of every tensor field and
+        extra column, as a new object of the same class. The index is read on the host only
+        when there are extra columns to pick from (a device index would otherwise sync)."""
         picked = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if torch.is_tensor(value):
                 value = value[index]
             elif f.name == "extras":
-                value = {k: [column[i] for i in rows] for k, column in value.items()}
+                rows = index if isinstance(index, slice) or not value else index.tolist()
+                value = {k: list(column[rows]) if isinstance(rows, slice) else [column[i] for i in rows]
+                         for k, column in value.items()}
             picked[f.name] = value
         return type(self)(**picked)
 
@@ -167,8 +169,7 @@ def forward_chunks(sample: SampledBatch, chunk_size: int) -> list[tuple[SampledB
 
     Every scoring forward runs per chunk, so no ``(B, T, V)`` tensor exists for the batch.
     """
-    parts = [sample.select(torch.arange(s, min(s + chunk_size, sample.batch_size), device=sample.responses.device))
-             for s in range(0, sample.batch_size, chunk_size)]
+    parts = [sample.select(slice(s, s + chunk_size)) for s in range(0, sample.batch_size, chunk_size)]
     return [(p, sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask)) for p in parts]
 
 

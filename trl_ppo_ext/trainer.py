@@ -909,11 +909,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         stats = defaultdict(list, start.stats if start else {})
         decision = GuardDecision.keep_going({})
         slices = self.plan.mini_batch_slices()
+        tokens_only = replace(rollout, extras={})  # the loss reads no dataset column: no host index per micro-batch
         for epoch in range(start.epoch if start else 0, self.plan.num_ppo_epochs):
             resuming = start is not None and epoch == start.epoch and start.order is not None
             order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
             for index in range(start.mini_batch if resuming else 0, len(slices)):
-                decision = self._minibatch_step(rollout, adv, order[slices[index]], update, stats)
+                decision = self._minibatch_step(tokens_only, adv, order[slices[index]], update, stats)
                 if decision.halt:
                     return _stack_stats(stats), decision
                 self._stop_if_preempted(rollout, adv, (epoch, index), order, stats)
@@ -923,7 +924,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """After an optimizer step that is not the update's last: raise ``UpdatePreempted`` once
         every process agrees a SIGTERM came, keeping where the update stopped in ``_inflight``."""
         epoch, index = position
-        per_epoch = len(self.plan.mini_batch_slices())
+        per_epoch = self.plan.num_mini_batches
         if (epoch, index) == (self.plan.num_ppo_epochs - 1, per_epoch - 1):
             return  # the update's steps are done: it finishes, and the loop checks at its end
         if not self._sigterm.stop_agreed(self.accelerator):
