@@ -121,6 +121,15 @@ def test_response_mask_batch_mixes_cases():
     assert mask.tolist() == [[bool(m) for m in case[3]] for case in rows]
 
 
+def test_response_mask_takes_the_stop_id_in_any_integer_form():
+    import numpy as np
+
+    responses = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 2, 2]])
+    expected = [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    for stop in (2, np.int64(2), torch.tensor(2), [2], (9, 2)):
+        assert F.response_mask(responses, stop).tolist() == expected, type(stop)
+
+
 def test_response_mask_rejects_1d():
     with pytest.raises(ValueError, match="responses"):
         F.response_mask(torch.tensor([7, 2]), EOS)

@@ -112,10 +112,9 @@ def response_mask(
         raise ValueError(f"responses must have shape (B, T), got shape {tuple(responses.shape)}")
     if stop_token_id is None:
         return torch.ones_like(responses, dtype=torch.bool)
-    if isinstance(stop_token_id, int):
-        is_stop = responses == stop_token_id
-    else:
-        is_stop = torch.isin(responses, torch.as_tensor(list(stop_token_id), device=responses.device))
+    # One path for an int (Python, NumPy or a 0-dim tensor) and a sequence of ids.
+    stop_ids = torch.as_tensor(stop_token_id, device=responses.device).reshape(-1)
+    is_stop = torch.isin(responses, stop_ids.to(responses.dtype))
     # stops_before[b, t] = sum(is_stop[b, :t])  (stop tokens strictly before t)
     stops_before = torch.cumsum(is_stop, dim=1) - is_stop.long()
     return stops_before == 0
