@@ -209,6 +209,35 @@ def test_columns_reach_the_functions_and_an_rm_combines_with_them(make_trainer, 
     assert math.isfinite(log[f"rewards/{trainer.rewards[0].name}/mean"])
 
 
+def test_reward_metrics_are_each_rewards_mean_and_std_over_where_it_applied(make_trainer, tok):
+    from trl_ppo_ext.rollout import SampledBatch, scored_rollout
+
+    trainer = make_trainer(tok, reward_funcs=[ones, ones])
+    B, T = 4, 2
+    ones_like = dict(dtype=torch.bool)
+    sample = SampledBatch(queries=torch.ones(B, 1, dtype=torch.long), query_mask=torch.ones(B, 1, **ones_like),
+                          responses=torch.ones(B, T, dtype=torch.long), response_mask=torch.ones(B, T, **ones_like),
+                          has_stop=torch.zeros(B, dtype=torch.bool))
+    nan = float("nan")
+    values = torch.tensor([[1.0, 2.0, nan], [2.0, nan, nan], [3.0, 4.0, nan], [4.0, nan, nan]])
+    applies = ~values.isnan()
+    zeros = torch.zeros(B, T)
+    rollout = scored_rollout(sample, logprobs=zeros, ref_logprobs=zeros, values=zeros, scores=torch.zeros(B),
+                             reward_values=values, reward_applies=applies)
+    metrics = trainer._reward_metrics(rollout)
+    names = [r.name for r in trainer.rewards]
+    # RM: mean(1, 2, 3, 4) = 2.5, population var = (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25
+    assert metrics[f"rewards/{names[0]}/mean"] == 2.5 and math.isclose(metrics[f"rewards/{names[0]}/std"],
+                                                                        math.sqrt(1.25), rel_tol=1e-12)
+    # the first function applied to rows 0 and 2: mean(2, 4) = 3, std 1; the second to none: NaN
+    assert metrics[f"rewards/{names[1]}/mean"] == 3.0 and metrics[f"rewards/{names[1]}/std"] == 1.0
+    assert math.isnan(metrics[f"rewards/{names[2]}/mean"]) and math.isnan(metrics[f"rewards/{names[2]}/std"])
+    # a Rollout without per-reward columns (a score_rollout override may build one) logs none
+    from dataclasses import replace
+
+    assert trainer._reward_metrics(replace(rollout, reward_values=None, reward_applies=None)) == {}
+
+
 def test_conversational_prompts_give_message_completions(make_trainer, tok):
     w = tok.convert_tokens_to_ids
     data = Dataset.from_dict({

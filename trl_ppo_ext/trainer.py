@@ -1054,7 +1054,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        """This update's statistics, averaged over every process (one gather)."""
+        """This update's statistics, averaged over every process (one gather for the token
+        statistics, one for the largest ratio, two for the per-reward columns)."""
         mask = rollout.response_mask
         lengths = mask.sum(1).float()
         local = {
@@ -1094,14 +1095,16 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
         """``rewards/<name>/mean`` and ``/std`` of each reward over the completions it applies to,
         on every process (population std; NaN when it applied to none)."""
-        values = self.accelerator.gather(rollout.reward_values)
+        if rollout.reward_values is None:  # a score_rollout override that keeps no per-reward columns
+            return {}
+        values = self.accelerator.gather(rollout.reward_values).double()  # (B_all, F)
         applies = self.accelerator.gather(rollout.reward_applies)
+        count = applies.sum(0)  # (F,); 0 / 0 below is the NaN of a reward that applied to none
+        mean = torch.where(applies, values, 0.0).sum(0) / count
+        std = (torch.where(applies, (values - mean).square(), 0.0).sum(0) / count).sqrt()
         metrics = {}
-        for k, reward in enumerate(self.rewards):
-            column = values[:, k][applies[:, k]].double()
-            mean = float(column.mean()) if column.numel() else float("nan")
-            std = float(column.std(unbiased=False)) if column.numel() else float("nan")
-            metrics[f"rewards/{reward.name}/mean"], metrics[f"rewards/{reward.name}/std"] = mean, std
+        for reward, m, sd in zip(self.rewards, mean.tolist(), std.tolist()):  # one host copy for all rewards
+            metrics[f"rewards/{reward.name}/mean"], metrics[f"rewards/{reward.name}/std"] = m, sd
         return metrics
 
     def log_update(self, metrics: dict[str, float]) -> None:
@@ -1167,8 +1170,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                     "eval/response_length": r.response_mask.sum(1),
                     "eval/kl": (r.logprobs - r.ref_logprobs).sum(1),
                 }
-                for k, reward in enumerate(self.rewards):  # NaN where it does not apply; nanmean below
-                    if len(self.rewards) > 1 or not reward.is_model:  # a lone RM is eval/rm_score already
+                for k, reward in enumerate(self.rewards if r.reward_values is not None else []):
+                    # NaN where it does not apply (nanmean below); a lone RM is eval/rm_score already
+                    if len(self.rewards) > 1 or not reward.is_model:
                         row[f"eval/{reward.name}"] = r.reward_values[:, k]
                 for name, fn in self.eval_metrics.items():
                     row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
