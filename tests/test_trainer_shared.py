@@ -106,3 +106,10 @@ def test_error_reward_model_without_scalar_head(make_trainer, tok):
     rm.score = torch.nn.Linear(rm.score.in_features, 2, bias=False)
     with pytest.raises(ValueError, match=r"`reward_model`'s score head has 2 outputs.*num_labels=1"):
         make_trainer(tok, ref_model=None, reward_model=rm, value_model=build_tiny_scorer(tok))
+
+
+def test_error_a_reward_function_model_without_scalar_head_is_named_by_its_index(make_trainer, tok):
+    rm = build_tiny_scorer(tok)
+    rm.score = torch.nn.Linear(rm.score.in_features, 3, bias=False)
+    with pytest.raises(ValueError, match=r"`reward_funcs\[1\]`'s score head has 3 outputs.*num_labels=1"):
+        make_trainer(tok, reward_funcs=[lambda completions, **kw: [0.0] * len(completions), rm])

@@ -84,7 +84,7 @@ class InflightUpdate:
     """Where a preempted PPO update stopped, on one process.
 
     ``rollout`` and ``advantages`` are the fields of the trainer's ``Rollout`` and
-    ``Advantages`` (tensors and ints). The update resumes at PPO epoch ``epoch``, mini-batch
+    ``PPOTargets`` (tensors and ints). The update resumes at PPO epoch ``epoch``, mini-batch
     ``mini_batch`` (those before it are done), with the epoch's row order ``order``.
     """
 

@@ -226,6 +226,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self.processing_class = processing_class
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
         self._check_inputs(model, ref_model, train_dataset, processing_class)
+        self._check_reward_heads(reward_model)
         self.stop_token_id = self._resolve_stop_token(args, processing_class)
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -305,13 +306,18 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 "`model` and `ref_model` are the same object. Pass ref_model=None (a frozen copy is made, or the "
                 "disabled adapter is used with PEFT) or a separate copy."
             )
+
+    def _check_reward_heads(self, reward_model) -> None:
+        """Every reward model (``reward_model`` or one in ``reward_funcs``) has one output."""
+        from_funcs = self.rewards[1:] if reward_model is not None else self.rewards
         for reward in self.rewards:
             outputs = _scalar_head_outputs(reward.source) if reward.is_model else 1
             if outputs != 1:
+                where = ("`reward_model`" if reward.source is reward_model
+                         else f"`reward_funcs[{from_funcs.index(reward)}]`")
                 raise ValueError(
-                    f"`reward_model`'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. "
-                    "Load "
-                    "it with AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
+                    f"{where}'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. Load it "
+                    "with AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
                 )
 
     def _check_prompt_lengths(self, dataset, name: str, model_config) -> None:
@@ -938,11 +944,11 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         )
         raise UpdatePreempted(f"SIGTERM after PPO epoch {epoch}, mini-batch {index}")
 
-    def _resumed_rollout(self) -> tuple[Rollout, Advantages]:
+    def _resumed_rollout(self) -> tuple[Rollout, PPOTargets]:
         """The rollout and advantages of the update a preempted checkpoint stopped in."""
         inflight = self._resume_inflight
         self.counters.rollout_age = inflight.rollout_age
-        return Rollout(**inflight.rollout), Advantages(**inflight.advantages)
+        return Rollout(**inflight.rollout), PPOTargets(**inflight.advantages)
 
     def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
         """Accumulate gradients over the mini-batch's micro-batches, then step once if finite.
@@ -1275,7 +1281,6 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 wandb.log({"completions": wandb.Table(dataframe=df)})
 
 
-Advantages = PPOTargets  # its name before 0.1.0; subclasses' type hints may still use it
 
 
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
