@@ -321,7 +321,7 @@ class PrecisionProbe:
 
 # ---------------------------------------------------------------- the memory model
 
-def predicted(args, setup: str, counts: dict[str, int] | None = None):
+def predicted(args, setup: str):
     """``trl_ppo_ext.memory.estimate`` for one set-up of this benchmark."""
     from trl_ppo_ext.memory import ModelShape, PPORun, estimate
 
@@ -343,7 +343,6 @@ def predicted(args, setup: str, counts: dict[str, int] | None = None):
 def build_checkpoints(args, directory: Path) -> dict[str, int]:
     """Save a random causal LM (policy) and a random scalar scorer (reward and value model),
     each with the tokenizer, under ``directory``; returns their parameter counts."""
-    import torch
 
     from trl_ppo_ext.tiny import (
         SPECIAL_TOKENS,
@@ -364,7 +363,6 @@ def build_checkpoints(args, directory: Path) -> dict[str, int]:
         model.save_pretrained(directory / name)
         tokenizer.save_pretrained(directory / name)
         del model
-    torch.manual_seed(0)
     return counts
 
 
@@ -585,7 +583,7 @@ def build_shared(args, ckpt: Path, dataset, tokenizer, output_dir: str, *, four_
     import torch
 
     from trl_ppo_ext import PPOConfig, PPOTrainer
-    from trl_ppo_ext.modeling import load_actor_critic, load_reward_model
+    from trl_ppo_ext.loading import load_actor_critic, load_reward_model
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     offload = four_bit and args.device == "cuda"

@@ -39,7 +39,7 @@ def test_weight_bytes_by_hand():
 
 
 def test_nf4_bytes_match_a_bitsandbytes_layer(tmp_path):
-    from trl_ppo_ext.modeling import load_reward_model
+    from trl_ppo_ext.loading import load_reward_model
     from trl_ppo_ext.quantization import linear4bit_modules
     from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
 

@@ -206,17 +206,14 @@ class PPOTrainerParts:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save ``self.model.policy`` for inference (the value model is not saved), through
-        ``Trainer.save_model``; under DeepSpeed the engine is swapped for the policy too."""
-        model, engine = self.model, getattr(self, "deepspeed", None)
+        ``Trainer.save_model``. (``trl_ppo_ext.PPOTrainer`` saves under DeepSpeed itself and
+        never comes here then.)"""
+        model = self.model
         self.model = getattr(model, "policy", model)
-        if self.is_deepspeed_enabled:
-            self.deepspeed = self.model
         try:
             super().save_model(output_dir, _internal_call)
         finally:
             self.model = model
-            if self.is_deepspeed_enabled:
-                self.deepspeed = engine
 
 
 def trainer_root() -> type:

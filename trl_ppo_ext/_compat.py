@@ -115,7 +115,7 @@ def uses_own_base() -> bool:
 
 
 def base_description() -> str:
-    """One line for logs and the run manifest: which base our classes stand on."""
+    """One line saying which base our classes stand on (for bug reports and the tests)."""
     if not uses_own_base():
         return f"TRL's PPOTrainer/PPOConfig ({_cached('trl_ppo', find_trl_ppo)[2].__name__})"
     from . import _base
@@ -148,8 +148,8 @@ def _resolve(name: str):
             return getattr(_base, name)
         trainer, config, _ = _cached("trl_ppo", find_trl_ppo)
         return trainer if name == "PPOTrainerBase" else config
-    trainer, config, module = load_trl_ppo()
-    return {"TRLPPOTrainer": trainer, "TRLPPOConfig": config, "trl_ppo_trainer_module": module}[name]
+    trainer, config, _ = load_trl_ppo()
+    return trainer if name == "TRLPPOTrainer" else config
 
 
 def __getattr__(name):
@@ -157,7 +157,7 @@ def __getattr__(name):
     # `trl_ppo_ext.tiny` alone do not need it.
     #   PPOTrainerBase / PPOConfigBase: what our classes subclass (TRL's, or our own base);
     #   TRLPPOTrainer / TRLPPOConfig: TRL's own classes (ImportError where TRL has none).
-    if name in ("PPOTrainerBase", "PPOConfigBase", "TRLPPOTrainer", "TRLPPOConfig", "trl_ppo_trainer_module"):
+    if name in ("PPOTrainerBase", "PPOConfigBase", "TRLPPOTrainer", "TRLPPOConfig"):
         return _cached(name, lambda: _resolve(name))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

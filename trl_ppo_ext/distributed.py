@@ -122,11 +122,11 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def gathered(params, enabled: bool = True):
+def gathered(params):
     """Context in which ZeRO-3-partitioned ``params`` hold their full values on every process
     (a collective: every process must enter it). A no-op for ordinary parameters."""
     params = [p for p in params if is_zero3_param(p)]
-    if not enabled or not params:
+    if not params:
         return nullcontext()
     import deepspeed
 

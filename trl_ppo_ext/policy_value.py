@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .distributed import is_zero3_param
+
 
 def backbone_hidden(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
     """Final hidden states of a ``*ForSequenceClassification``-style model's backbone.
@@ -50,7 +52,7 @@ def scalar_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
             f"{type(model).__name__} has no `score` head. The reward and value models must be "
             "AutoModelForSequenceClassification models with num_labels=1."
         )
-    if type(head) is nn.Linear and not hasattr(head.weight, "ds_id"):
+    if type(head) is nn.Linear and not is_zero3_param(head.weight):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             bias = None if head.bias is None else head.bias.float()
             out = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)

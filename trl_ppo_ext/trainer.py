@@ -1088,9 +1088,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         }
         names = list(local)
         values = torch.stack([local[k].float().to(self.accelerator.device) for k in names])
-        gathered = self.accelerator.gather(values[None]).reshape(-1, len(names)).mean(0)
+        means = self.accelerator.gather(values[None]).reshape(-1, len(names)).mean(0)
         ratio_max = self.accelerator.gather(stats["ratio_max"].max()[None].to(self.accelerator.device)).max()
-        metrics = {k: float(v) for k, v in zip(names, gathered.tolist())}
+        metrics = {k: float(v) for k, v in zip(names, means.tolist())}
         metrics["val/ratio_max"] = float(ratio_max)
         metrics.update(self._reward_metrics(rollout))
         metrics["policy/lag"] = float(self.counters.rollout_age)
