@@ -414,6 +414,7 @@ def test_hard_guards_halt_whatever_guard_action_says():
     (dict(guard_action="stop"), "guard_action must be 'warn' or 'halt', got 'stop'"),
     (dict(halt_guards=["nonfinite"]), r"halt_guards has \['nonfinite'\], which are not heuristic guards"),
     (dict(guard_warmup=-1), "guard_warmup must be an int >= 0, got -1"),
+    (dict(halt_guards="kl_range"), r"halt_guards must be a list of guard names, e.g. halt_guards=\['kl_range'\]"),
 ])
 def test_bad_guard_action_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

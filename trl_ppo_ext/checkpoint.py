@@ -164,7 +164,8 @@ def list_checkpoints(output_dir: str | os.PathLike, required_files: Iterable[str
 
 
 def latest_checkpoint(output_dir: str | os.PathLike, required_files: Iterable[str] = REQUIRED_FILES) -> str | None:
-    """The complete ``checkpoint-<step>`` folder with the highest step, or None.
+    """The complete ``checkpoint-<step>`` folder (or ``checkpoint-<step>-preempted``) that comes
+    last in ``list_checkpoints``' order, or None.
 
     Temporary folders of an interrupted save and folders missing a required file are ignored.
     """

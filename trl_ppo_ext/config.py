@@ -14,6 +14,7 @@ from typing import Literal
 from ._compat import PPOConfigBase
 from .functional import KL_ESTIMATORS
 from .guards import GuardSettings
+from .preemption import ON_SIGTERM_CHOICES
 
 
 def _bf16_available() -> bool:
@@ -178,9 +179,9 @@ class PPOConfig(PPOConfigBase, GuardSettings):
             raise ValueError(
                 f"PPOConfig.cliprange_value must be > 0 or None (no value clipping), got {self.cliprange_value}."
             )
-        if self.on_sigterm not in ("save_and_exit", "save_and_return", "off"):
+        if self.on_sigterm not in ON_SIGTERM_CHOICES:
             raise ValueError(
-                f"PPOConfig.on_sigterm must be 'save_and_exit', 'save_and_return' or 'off', got {self.on_sigterm!r}."
+                f"PPOConfig.on_sigterm must be one of {list(ON_SIGTERM_CHOICES)}, got {self.on_sigterm!r}."
             )
         if self.entropy_coef < 0:
             raise ValueError(f"PPOConfig.entropy_coef must be >= 0, got {self.entropy_coef}.")

@@ -144,6 +144,9 @@ class GuardSettings:
     def __post_init__(self) -> None:
         if self.guard_action not in ("warn", "halt"):
             raise ValueError(f"GuardSettings.guard_action must be 'warn' or 'halt', got {self.guard_action!r}.")
+        if isinstance(self.halt_guards, str):
+            raise ValueError(f"GuardSettings.halt_guards must be a list of guard names, e.g. "
+                             f"halt_guards=['{self.halt_guards}'], got the string {self.halt_guards!r}.")
         unknown = sorted(set(self.halt_guards or ()) - HEURISTIC_GUARDS)
         if unknown:
             raise ValueError(
@@ -200,11 +203,17 @@ class GuardDecision:
     guard: str | None  # the guard that halted (one of GUARD_NAMES), None when none did
     message: str  # why: the guard, the values, the threshold and the update; "" when none halted
     figures: dict[str, float]  # each enabled guard's current figure under `guard/<name>` keys, to log
-    warnings: list[str] = field(default_factory=list)  # heuristic guards that fired and only warn (new ones)
+    warnings: list[str] = field(default_factory=list)  # messages of warn-only guards that started firing now
 
     @classmethod
     def keep_going(cls, figures: dict[str, float]) -> GuardDecision:
         return cls(halt=False, guard=None, message="", figures=figures)
+
+
+def _halt_message(name: str, update: int, body: str) -> str:
+    """The message of guard ``name`` halting at ``update``; "" for an empty ``body`` (the guard
+    did not fire). Each ``_check_*`` returns only the body, so a warning words it its own way."""
+    return f"Guard '{name}' halted training at update {update}: {body}" if body else ""
 
 
 def _fmt(value: float | None) -> str:
@@ -244,7 +253,7 @@ class GuardRails:
         self._nonfinite_run += 1
         self._nonfinite_total += 1
         self._nonfinite_peak = max(self._nonfinite_peak, self._nonfinite_run)
-        message = self._nonfinite_message(self._nonfinite_run, update)
+        message = _halt_message("nonfinite", update, self._nonfinite_message(self._nonfinite_run, update))
         figures = self._event_figures()
         return GuardDecision(True, "nonfinite", message, figures) if message else GuardDecision.keep_going(figures)
 
@@ -256,7 +265,7 @@ class GuardRails:
         """Record a rollout discarded during ``update`` for being older than ``max_rollout_age``."""
         self._stale_run += 1
         self._stale_total += 1
-        message = self._stale_message(update)
+        message = _halt_message("stale_rollouts", update, self._stale_message(update))
         figures = self._event_figures()
         return GuardDecision(True, "stale_rollouts", message, figures) if message else GuardDecision.keep_going(figures)
 
@@ -279,8 +288,9 @@ class GuardRails:
             update: the update number, for messages.
 
         Returns:
-            The decision of the first guard that fired (in ``GUARD_NAMES`` order), else
-            ``halt=False``; ``figures`` always holds every enabled guard's figure.
+            The decision of the first guard that fired and halts (in ``GUARD_NAMES`` order),
+            else ``halt=False``; ``warnings`` holds the messages of warn-only guards that
+            started firing now; ``figures`` always holds every enabled guard's figure.
 
         Raises:
             ValueError: an enabled guard's metric is missing from ``metrics``.
@@ -297,14 +307,15 @@ class GuardRails:
             ("stale_rollouts", self._check_stale),
             ("reward_hacking", self._check_reward_hacking),
         ):
-            message = guard(metrics, update, figures)
-            if message:
-                fired.append((name, message))
-        warnings = self._new_warnings(fired)
-        halting = [(name, message) for name, message in fired if self._halts(name)]
+            body = guard(metrics, update, figures)
+            if body:
+                fired.append((name, body))
+        warnings = self._new_warnings(fired, update)
+        halting = [name for name, _ in fired if self._halts(name)]
         if not halting:
             return GuardDecision(halt=False, guard=None, message="", figures=figures, warnings=warnings)
-        name, message = halting[0]
+        name = halting[0]
+        message = _halt_message(name, update, dict(fired)[name])
         if len(fired) > 1:
             message += f" (Also fired: {', '.join(other for other, _ in fired if other != name)}.)"
         return GuardDecision(halt=True, guard=name, message=message, figures=figures, warnings=warnings)
@@ -313,14 +324,15 @@ class GuardRails:
         s = self.settings
         return name not in HEURISTIC_GUARDS or s.guard_action == "halt" or name in (s.halt_guards or ())
 
-    def _new_warnings(self, fired: list[tuple[str, str]]) -> list[str]:
+    def _new_warnings(self, fired: list[tuple[str, str]], update: int) -> list[str]:
         """Messages of warn-only guards that fired now and did not at the previous update (one
-        warning per episode of trouble); a guard that stops firing can warn again later."""
+        warning per episode of trouble); a guard that stops firing can warn again later.
+        ``fired``: ``(guard name, message body)`` pairs."""
         now = {name for name, _ in fired if not self._halts(name)}
         new = [
-            message.replace("halted training", "fired", 1)
-            + f" Training goes on (guard_action='warn'); set halt_guards=['{name}'] or guard_action='halt' to stop."
-            for name, message in fired if name in now and name not in self._warning
+            f"Guard '{name}' fired at update {update}: {body} Training goes on (guard_action='warn'); set "
+            f"halt_guards=['{name}'] or guard_action='halt' to stop."
+            for name, body in fired if name in now and name not in self._warning
         ]
         self._warning = now
         return new
@@ -343,7 +355,7 @@ class GuardRails:
         if limit is None or run < limit:
             return ""
         return (
-            f"Guard 'nonfinite' halted training at update {update}: {run} consecutive optimizer steps were skipped "
+            f"{run} consecutive optimizer steps were skipped "
             f"because the loss or gradient norm was NaN/inf (threshold nonfinite_halt_after={limit}; "
             f"{self._nonfinite_total} skipped in total). Lower the learning rate, check the reward scale, or "
             "train in bf16/fp32 instead of fp16."
@@ -373,7 +385,7 @@ class GuardRails:
         if streak < s.value_patience or _falling(list(self._value_losses)):
             return ""  # a critic whose loss falls is still fitting, not diverging
         return (
-            f"Guard 'value_divergence' halted training at update {update}: {' and '.join(broken)}, for {streak} "
+            f"{' and '.join(broken)}, for {streak} "
             f"consecutive updates (value_patience={s.value_patience}) while {KEY_VALUE_LOSS} did not fall. The "
             "critic is diverging: lower the learning rate or vf_coef, enable cliprange_value, or check the reward "
             "scale (whiten_rewards)."
@@ -398,7 +410,7 @@ class GuardRails:
         if streak < patience:
             return ""
         return (
-            f"Guard '{name}' halted training at update {update}: {key}={_fmt(value)} outside "
+            f"{key}={_fmt(value)} outside "
             f"[{prefix}_min={_fmt(low)}, {prefix}_max={_fmt(high)}] for {streak} consecutive updates "
             f"(range_patience={patience})."
         )
@@ -413,7 +425,7 @@ class GuardRails:
         if streak < patience:
             return ""
         return (
-            f"Guard 'clip_fraction' halted training at update {update}: {KEY_CLIP_FRACTION}={_fmt(value)} above "
+            f"{KEY_CLIP_FRACTION}={_fmt(value)} above "
             f"max_clip_fraction={_fmt(bound)} for {streak} consecutive updates (clip_patience={patience}). The "
             "policy moves too far per update: lower the learning rate, num_ppo_epochs or cliprange."
         )
@@ -430,7 +442,7 @@ class GuardRails:
         if limit is None or self._stale_run < limit:
             return ""
         return (
-            f"Guard 'stale_rollouts' halted training at update {update}: {self._stale_run} consecutive rollouts "
+            f"{self._stale_run} consecutive rollouts "
             f"were discarded as older than max_rollout_age (threshold stale_halt_after={limit}; "
             f"{self._stale_total} discarded in total). Raise max_rollout_age or lower num_ppo_epochs * "
             "num_mini_batches so rollouts are consumed in time."
@@ -456,7 +468,7 @@ class GuardRails:
             return ""
         first, last = self._history[0][0], self._history[-1][0]
         return (
-            f"Guard 'reward_hacking' halted training at update {update}: over updates {first}-{last} the mean "
+            f"over updates {first}-{last} the mean "
             f"{KEY_SCORE} rose by {_fmt(score_rise)} (> reward_hacking_margin={_fmt(s.reward_hacking_margin)}) "
             f"between the first and second half of the window, while {s.reward_hacking_metric} improved by only "
             f"{_fmt(gain)} (needs > reward_hacking_heldout_min_gain={_fmt(s.reward_hacking_heldout_min_gain)}). "

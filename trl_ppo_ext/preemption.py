@@ -92,7 +92,7 @@ class InflightUpdate:
     advantages: dict
     epoch: int
     mini_batch: int
-    order: torch.Tensor  # (B,) long: the shuffled rows of PPO epoch `epoch`
+    order: torch.Tensor | None  # (B,) long: the shuffled rows of PPO epoch `epoch`; None: it shuffles afresh
     stats: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # per-micro-batch statistics so far
     rollout_age: int = 0
 
