@@ -674,7 +674,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             metrics.update(self.evaluate_heldout())
         if not decision.halt:
             decision = self.guards.check(metrics, update)
-            for warning in decision.warnings:
+            for warning in decision.warnings if self.accelerator.is_main_process else ():  # same on every process
                 logger.warning(warning)
         metrics.update({k: float(v) for k, v in decision.figures.items()})  # keys are "guard/<name>"
         metrics["objective/kl_coef"] = self.kl_controller.value
@@ -1142,7 +1142,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}-halted"
             self._protected_checkpoints.add(name)
             self._save_checkpoint(self.model, folder_name=name)
-        logger.warning("PPO run halted by guard %r: %s", decision.guard, decision.message)
+        if self.accelerator.is_main_process:  # every process took the same decision on gathered metrics
+            logger.warning("PPO run halted by guard %r: %s", decision.guard, decision.message)
         self.accelerator.print(f"PPO run halted by guard {decision.guard!r}: {decision.message}")
 
     def _evaluation_due(self, update: int) -> bool:
