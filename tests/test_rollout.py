@@ -29,6 +29,7 @@ from trl_ppo_ext.rollout import (
     scored_rollout,
     sequence_inputs,
     stop_token_ids,
+    valid_token_ids,
 )
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -123,6 +124,15 @@ def test_forward_chunks_cover_every_row_once_in_order_with_its_inputs():
     whole = sequence_inputs(sample.queries, sample.query_mask, sample.responses, sample.response_mask)
     for k in range(3):  # each chunk's inputs are the whole batch's inputs for its rows
         assert torch.equal(torch.cat([inputs[k] for _, inputs in chunks]), whole[k])
+
+
+def test_valid_token_ids_keep_real_prompt_tokens_and_responses_through_the_stop():
+    sample = SampledBatch(
+        queries=torch.tensor([[0, 7, 8], [4, 5, 6]]), query_mask=torch.tensor([[False, True, True], [True] * 3]),
+        responses=torch.tensor([[9, 2, 0], [3, 3, 3]]), response_mask=torch.tensor([[True, True, False], [True] * 3]),
+        has_stop=torch.tensor([True, False]),
+    )
+    assert valid_token_ids(sample) == ([[7, 8], [4, 5, 6]], [[9, 2], [3, 3, 3]])
 
 
 def test_a_sampled_batch_carries_no_scores_and_scoring_makes_a_rollout_of_it():

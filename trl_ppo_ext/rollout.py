@@ -163,6 +163,18 @@ def response_values(values: torch.Tensor, response_length: int) -> torch.Tensor:
     return values[:, -(response_length + 1) : -1].float()
 
 
+def valid_token_ids(sample: SampledBatch) -> tuple[list[list[int]], list[list[int]]]:
+    """``(prompt_ids, completion_ids)``: each row's real prompt tokens and valid response tokens
+    (through the stop token), as Python lists for decoding. The four tensors are copied to the
+    host once, not row by row."""
+    queries, query_mask, responses, response_mask = (
+        t.cpu() for t in (sample.queries, sample.query_mask, sample.responses, sample.response_mask)
+    )
+    prompt_ids = [q[m].tolist() for q, m in zip(queries, query_mask)]
+    completion_ids = [r[m].tolist() for r, m in zip(responses, response_mask)]
+    return prompt_ids, completion_ids
+
+
 def forward_chunks(sample: SampledBatch, chunk_size: int) -> list[tuple[SampledBatch, tuple]]:
     """``sample`` cut into consecutive row chunks of at most ``chunk_size``, each with its
     :func:`sequence_inputs`: ``[(part, (input_ids, attention_mask, position_ids)), ...]``.

@@ -65,6 +65,7 @@ from .rollout import (
     scored_rollout,
     sequence_inputs,
     stop_token_ids,
+    valid_token_ids,
 )
 from .run_state import CheckpointMixin, RunCounters
 from .sampler import EpochSeededSampler
@@ -839,11 +840,10 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         ``completions``, ``completion_ids``, ``trainer_state`` and every other dataset column."""
         tok = self.processing_class
         extras = rollout.extras
+        prompt_ids, completion_ids = valid_token_ids(rollout)
         prompts = extras.get("prompt")
         if prompts is None:
-            prompts = tok.batch_decode([q[m] for q, m in zip(rollout.queries, rollout.query_mask)],
-                                       skip_special_tokens=True)
-        completion_ids = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+            prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = bool(prompts) and isinstance(prompts[0], list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -1168,10 +1168,6 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             torch.manual_seed(self.args.seed)
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
-                prompts = tok.batch_decode([q[m] for q, m in zip(r.queries, r.query_mask)], skip_special_tokens=True)
-                # Completions keep their special tokens: whether one ended with EOS is often what a
-                # held-out metric checks.
-                completions = [tok.decode(x[m].tolist()) for x, m in zip(r.responses, r.response_mask)]
                 row = {
                     "eval/rm_score": r.scores,
                     "eval/response_length": r.response_mask.sum(1),
@@ -1181,6 +1177,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                     # NaN where it does not apply (nanmean below); a lone RM is eval/rm_score already
                     if len(self.rewards) > 1 or not reward.is_model:
                         row[f"eval/{reward.name}"] = r.reward_values[:, k]
+                if self.eval_metrics:
+                    prompt_ids, completion_ids = valid_token_ids(r)
+                    prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
+                    # Completions keep their special tokens: whether one ended with EOS is often what a
+                    # held-out metric checks.
+                    completions = tok.batch_decode(completion_ids)
                 for name, fn in self.eval_metrics.items():
                     row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
                 for key, values in row.items():
@@ -1245,13 +1247,13 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         table = defaultdict(list)
         for batch in self.eval_dataloader:
             rollout = self.generate_rollout(batch, temperature=0.01)  # near-greedy, as TRL
-            queries, responses, mask = rollout.queries, rollout.responses, rollout.response_mask
             scores = self.score_rewards(rollout)[0]
-            texts = [tok.decode(r[m].tolist()) for r, m in zip(responses, mask)]
+            texts = tok.batch_decode(valid_token_ids(rollout)[1])
             # One gather rule for all three columns (gather_object alone kept accelerate's
             # padding duplicates that gather_for_metrics drops: columns of unequal length).
             gather = self.accelerator.gather_for_metrics
-            table["query"].extend(gather(tok.batch_decode(queries, skip_special_tokens=True), use_gather_object=True))
+            queries = tok.batch_decode(rollout.queries, skip_special_tokens=True)
+            table["query"].extend(gather(queries, use_gather_object=True))
             table["model response"].extend(gather(texts, use_gather_object=True))
             table["score"].extend(gather(scores).float().cpu().tolist())
             if sampling:
