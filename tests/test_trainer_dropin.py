@@ -87,6 +87,18 @@ def test_config_float_dropout_is_off(make_trainer, make_models, tok):
     assert torch.equal(first, second)
 
 
+def test_a_saved_policy_keeps_the_dropout_of_its_config(make_trainer, make_models, tok, tmp_path):
+    """Training zeroes config dropout (some models read it at forward time); what save_model
+    writes is the user's model, so its config.json keeps 0.5 -- as TRL's saves do."""
+    import json
+
+    policy, ref, value, reward = make_models(tok, attention_dropout=0.5)
+    trainer = make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["attention_dropout"] == 0.5
+    assert policy.config.attention_dropout == 0.0  # and training goes on without dropout
+
+
 def test_a_value_adapter_stays_trainable_and_trains(make_trainer, tok):
     from trl_ppo_ext.modeling import SharedActorCritic
 

@@ -99,13 +99,17 @@ class PPOTargets:
     raw_advantage_std: torch.Tensor  # () before whitening, for logging
 
 
-def _disable_dropout(model: nn.Module) -> None:
+def _disable_dropout(model: nn.Module) -> list[tuple[object, str, float]]:
     """Dropout off in every form: ``nn.Dropout`` modules, and the float probabilities that
     attention layers read at forward time (``attention_dropout`` of Llama/Qwen, OPT's
-    ``dropout``), copied from the config into module attributes at build time.
+    ``dropout``), copied from the config into module attributes at build time, or read from
+    the config itself (GPT-Neo, Falcon).
 
     PPO's ratio compares two forwards of the same weights; dropout would make it noise.
+    Returns ``(config, name, original value)`` of every config float set to 0, so that a
+    saved checkpoint can keep the user's values (see :func:`_config_values`).
     """
+    zeroed = []
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -115,8 +119,25 @@ def _disable_dropout(model: nn.Module) -> None:
         config = vars(module).get("config")
         if config is not None and hasattr(config, "to_dict"):
             for name, value in config.to_dict().items():
-                if "dropout" in name and isinstance(value, float) and hasattr(config, name):
+                # a config shared by several modules is met again with 0.0 and not recorded twice
+                if "dropout" in name and isinstance(value, float) and value != 0.0 and hasattr(config, name):
+                    zeroed.append((config, name, value))
                     setattr(config, name, 0.0)
+    return zeroed
+
+
+@contextmanager
+def _config_values(entries):
+    """Inside the block, each ``(config, name, value)`` of ``entries`` holds ``value``; the
+    current values come back on exit."""
+    current = [(config, name, getattr(config, name)) for config, name, _ in entries]
+    try:
+        for config, name, value in entries:
+            setattr(config, name, value)
+        yield
+    finally:
+        for config, name, value in reversed(current):
+            setattr(config, name, value)
 
 
 def _warn_low_precision_trainables(model: nn.Module) -> None:
@@ -242,9 +263,10 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
         self.ref_model = self._build_reference(model, ref_model)
-        for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model)):
-            if m is not None:
-                _disable_dropout(m)
+        self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
+            entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model))
+            if m is not None for entry in _disable_dropout(m)
+        ]
 
         self._setup_batch_sizes(args)
         self.model = wrapper
@@ -1191,8 +1213,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
 
     # ------------------------------------------------------------------ outputs
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy (or adapter) for inference; a shared actor-critic also saves its value head."""
-        output_dir = output_dir or self.args.output_dir
+        """Save the policy (or adapter) for inference; a shared actor-critic also saves its value
+        head. The saved config keeps the dropout values it came with (training runs with 0)."""
+        with _config_values(getattr(self, "_dropout_in_configs", ())):
+            self._save_policy(output_dir or self.args.output_dir, _internal_call)
+
+    def _save_policy(self, output_dir: str, _internal_call: bool) -> None:
         unwrapped = self.unwrapped
         if self.is_deepspeed_enabled:
             return self._save_model_deepspeed(output_dir, _internal_call)
