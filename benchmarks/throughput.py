@@ -282,19 +282,6 @@ def timed_update_parts(trainer, clock: Clock):
 
 
 # ---------------------------------------------------------------------------- set-up
-def prompt_dataset(tokenizer, n: int, lengths: tuple[int, int], seed: int):
-    """``n`` prompts of random ordinary words, lengths uniform in ``lengths`` (inclusive)."""
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(seed)
-    first_word = tokenizer.convert_tokens_to_ids("w0")
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
-        rows.append(torch.randint(first_word, len(tokenizer), (length,), generator=g).tolist())
-    return Dataset.from_dict({"input_ids": rows})
-
-
 def config_kwargs(output_dir: str, updates: int, ppo_epochs: int, device: str = "cpu", bf16: bool = False) -> dict:
     """The PPO settings every contender gets (TRL's defaults otherwise, e.g. lr 3e-6)."""
     return dict(use_cpu=device == "cpu",
@@ -389,11 +376,11 @@ def available_contenders() -> tuple[tuple[str, ...], str | None]:
 def measure_size(size: str, args, contenders=CONTENDERS) -> tuple[dict[str, list[dict]], str]:
     """Every contender ``--repeats`` times, rotating the order each repeat; also returns the
     models' parameter counts, in words."""
-    from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words
+    from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
 
     spec = dict(SIZES[size])
     tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
-    dataset = prompt_dataset(tokenizer, N_PROMPTS, PROMPT_LENGTHS, SEED)
+    dataset = random_word_prompts(tokenizer, N_PROMPTS, *PROMPT_LENGTHS, seed=SEED)
     models = PristineModels(tokenizer, spec)
     updates = args.updates or DEFAULT_UPDATES[size]
     results = defaultdict(list)

@@ -105,3 +105,18 @@ def build_tiny_scorer(tokenizer, seed: int = 1, **config_kwargs) -> LlamaForSequ
     """Random-init tiny Llama with a scalar head (``num_labels=1``): a reward or value model."""
     torch.manual_seed(seed)
     return LlamaForSequenceClassification(tiny_llama_config(tokenizer, num_labels=1, **config_kwargs))
+
+
+def random_word_prompts(tokenizer, n: int = 16, min_len: int = 2, max_len: int = 5, seed: int = 0):
+    """A ``datasets.Dataset`` of ``n`` tokenized prompts (``input_ids`` only) of random ordinary
+    words (``w0``, ``w1``, ... of :func:`build_tiny_tokenizer`), each of a length drawn uniformly
+    from ``[min_len, max_len]``; the same for the same ``seed``."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    first_word_id = tokenizer.convert_tokens_to_ids("w0")
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        rows.append(torch.randint(first_word_id, len(tokenizer), (length,), generator=g).tolist())
+    return Dataset.from_dict({"input_ids": rows})

@@ -7,9 +7,7 @@ pytest, import them directly (``python tests/scripts/X.py`` puts this folder fir
 
 from pathlib import Path
 
-import torch
-
-from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, random_word_prompts
 
 # PPOTrainer's keyword for each model, in the order tiny_models builds them, and its seed. Every
 # build re-seeds torch's global RNG, so the RNG a trainer starts from depends on the last model
@@ -19,15 +17,7 @@ MODEL_SEEDS = {"model": 0, "ref_model": 0, "value_model": 1, "reward_model": 2}
 
 def prompt_dataset(tokenizer, n=16, min_len=2, max_len=5, seed=0):
     """``n`` random prompts of ordinary words, tokenized (ids only), lengths in [min_len, max_len]."""
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(seed)
-    first_word_id = tokenizer.convert_tokens_to_ids("w0")
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        rows.append(torch.randint(first_word_id, len(tokenizer), (length,), generator=g).tolist())
-    return Dataset.from_dict({"input_ids": rows})
+    return random_word_prompts(tokenizer, n, min_len, max_len, seed)
 
 
 def tiny_config(root, **overrides):
