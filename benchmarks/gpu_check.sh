@@ -13,7 +13,7 @@ set -u
 OUT=${1:-./gpu_out}
 PY=${PYTHON:-python}
 BUDGET_S=${BUDGET_S:-470}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the script changes to the repository root below
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
 cd "$(dirname "$0")/.."
 START=$(date +%s)

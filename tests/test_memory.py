@@ -183,6 +183,8 @@ def test_fits_compares_required_with_the_card():
     (dict(offload_ref_model=True), "offload_ref_model"),
     (dict(lora_target_modules=("c_attn",)), "lora_target_modules"),
     (dict(num_mini_batches=3), "num_mini_batches"),
+    (dict(lora_r=0), "lora_r=0: a shared-backbone set-up trains a LoRA adapter"),
+    (dict(local_rollout_forward_batch_size=-4), "local_rollout_forward_batch_size=-4: pass a positive integer"),
 ])
 def test_runs_the_package_cannot_do_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -426,3 +428,7 @@ def test_cli_fits_table_and_bad_arguments(capsys):
         M.main(["--preset", "llama-7b", "--hidden", "64"])
     with pytest.raises(SystemExit):
         M.main(["--preset", "llama-7b", "--offload-ref-model"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a missing file is a usage error naming the flag, not a traceback
+        M.main(["--config", "/nonexistent/config.json"])
+    assert "--config /nonexistent/config.json" in capsys.readouterr().err

@@ -284,9 +284,15 @@ class PPORun:
                      "prompt_length", "response_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: pass a positive integer.")
+        if self.local_rollout_forward_batch_size is not None and self.local_rollout_forward_batch_size < 1:
+            raise ValueError(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size}: pass a "
+                             "positive integer, or None for the whole rollout batch.")
+        if self.shared and self.lora_r < 1:
+            raise ValueError(f"lora_r={self.lora_r}: a shared-backbone set-up trains a LoRA adapter; pass a rank "
+                             ">= 1 (16 is the default).")
         if self.rollout_batch % self.num_mini_batches:
             raise ValueError(f"num_mini_batches={self.num_mini_batches} does not divide the rollout batch "
-                             f"{self.rollout_batch}.")
+                             f"{self.rollout_batch}; pass one of its divisors.")
 
     @property
     def rollout_batch(self) -> int:
@@ -851,13 +857,19 @@ def model_from_args(args) -> ModelShape:
     if args.preset:
         return PRESETS[args.preset]
     if args.config:
-        return shape_from_config(args.config)
+        try:
+            return shape_from_config(args.config)
+        except (OSError, ValueError) as err:
+            args.parser.error(f"--config {args.config}: {err}")
     missing = [f"--{k}" for k, v in zip(("hidden", "layers", "heads", "intermediate", "vocab"), dims.values())
                if v is None]
     if missing:
         args.parser.error(f"missing {' '.join(missing)}")
-    return ModelShape(**dims, num_kv_heads=args.kv_heads, head_dim=args.head_dim, tie_word_embeddings=args.tied,
-                      qkv_bias=args.qkv_bias, num_parameters=args.params)
+    try:
+        return ModelShape(**dims, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                          tie_word_embeddings=args.tied, qkv_bias=args.qkv_bias, num_parameters=args.params)
+    except ValueError as err:
+        args.parser.error(str(err))
 
 
 def run_from_args(args) -> PPORun:
@@ -891,7 +903,7 @@ def main(argv=None) -> None:
         return
     e = estimate(model_from_args(args), run)
     if args.json:
-        print(json.dumps({"model": asdict(e.model), "run": {k: v for k, v in asdict(e.run).items()},
+        print(json.dumps({"model": asdict(e.model), "run": asdict(e.run),
                           "trainable_parameters": e.trainable_parameters, "phases": e.phases,
                           "peak_phase": e.peak_phase, "peak_bytes": e.peak,
                           "required_gib": e.required(args.overhead_gib, args.slack),
