@@ -173,10 +173,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TaskArguments, PPOConfig]
             f"--soft_overlong_cache={task_args.soft_overlong_cache} with --response_length={config.response_length}: "
             "pass 0 .. response_length tokens."
         )
-    if task_args.num_train_pairs_evaluated < 1 or (task_args.max_ppo_pairs is not None and task_args.max_ppo_pairs < 1):
+    for flag in ("num_train_pairs_evaluated", "max_ppo_pairs", "num_sft_pairs", "num_held_out_pairs"):
+        value = getattr(task_args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag}={value}: pass at least 1.")
+    pairs = task_args.num_values**2
+    if task_args.num_sft_pairs + task_args.num_held_out_pairs >= pairs:
         raise ValueError(
-            f"--num_train_pairs_evaluated={task_args.num_train_pairs_evaluated}, --max_ppo_pairs="
-            f"{task_args.max_ppo_pairs}: both must be at least 1."
+            f"--num_sft_pairs={task_args.num_sft_pairs} + --num_held_out_pairs={task_args.num_held_out_pairs} leave "
+            f"PPO none of the {pairs} pairs (--num_values={task_args.num_values}): lower them or raise --num_values."
         )
     return task_args, config
 

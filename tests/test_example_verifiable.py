@@ -161,6 +161,8 @@ def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path):
 @pytest.mark.parametrize("flag, value, message", [
     ("--sft_correct_fraction", "1.5", r"--sft_correct_fraction=1.5: pass a share between 0 and 1"),
     ("--soft_overlong_cache", "5", r"--soft_overlong_cache=5 with --response_length=4"),
+    ("--num_sft_pairs", "0", r"--num_sft_pairs=0: pass at least 1"),
+    ("--num_held_out_pairs", "300", r"--num_held_out_pairs=300 leave PPO none of the 400 pairs"),
 ])
 def test_bad_flags_are_refused_before_anything_is_built(flag, value, message):
     import ppo_verifiable
