@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
-from trl_ppo_ext.functional import masked_gae, masked_gae_loop  # noqa: E402
+from trl_ppo_ext.functional import masked_gae, masked_gae_loop
 
 GAMMA, GAE_LAMBDA = 1.0, 0.95  # TRL's PPO defaults
 

@@ -46,15 +46,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # The plain set-up functions sit beside the subprocess scripts, which import them the same way.
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import tiny_setup  # noqa: E402
+import tiny_setup
 
-from trl_ppo_ext import PPOTrainer  # noqa: E402
-from trl_ppo_ext.tiny import build_tiny_tokenizer  # noqa: E402
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
 def pytest_collection_modifyitems(config, items):

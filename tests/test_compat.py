@@ -61,7 +61,7 @@ def test_without_trl_ppo_the_upstream_classes_raise_a_clear_error():
     with pytest.raises(ImportError, match=r"has no PPO trainer \(TRL 1.13.0 removed it"):
         _compat.load_trl_ppo()
     with pytest.raises(ImportError, match=r"trl_ppo_ext.PPOTrainer works without it"):
-        _compat.TRLPPOConfig  # noqa: B018
+        _compat.TRLPPOConfig
     assert _compat.upstream_ppo_config() is None
 
 

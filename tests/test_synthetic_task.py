@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from synthetic_task import (  # noqa: E402
+from synthetic_task import (
     build_task,
     make_preference_pairs,
     pair_accuracy,
@@ -24,7 +24,7 @@ from synthetic_task import (  # noqa: E402
     train_reward_model,
 )
 
-from trl_ppo_ext.tiny import build_tiny_scorer  # noqa: E402
+from trl_ppo_ext.tiny import build_tiny_scorer
 
 PAD, EOS, KIND, CALM, RUDE, SAD, CATS = 0, 3, 6, 9, 16, 25, 26
 PROMPT = [{"role": "user", "content": "tell me about cats"}]

@@ -5,8 +5,8 @@
 
 import importlib
 
-from ._compat import TRL_MAX, TRL_MIN, check_trl_version  # noqa: E402
-from ._version import __version__  # noqa: E402
+from ._compat import TRL_MAX, TRL_MIN, check_trl_version
+from ._version import __version__
 
 # Cheap (reads package metadata): an unsupported TRL fails here, with the supported range.
 check_trl_version()
