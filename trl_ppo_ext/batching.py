@@ -61,7 +61,8 @@ class BatchPlan:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                      "num_ppo_epochs", "world_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+                where = "the number of processes" if name == "world_size" else f"PPOConfig.{name}"
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}: set {where} to a positive integer.")
         if self.local_batch_size % self.num_mini_batches:
             raise ValueError(
                 f"num_mini_batches={self.num_mini_batches} does not divide the per-process rollout batch "
