@@ -35,7 +35,13 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from tiny_setup import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # beside this file
+from tiny_setup import (  # beside this file
+    prompt_dataset,
+    record_optimizer_steps,
+    run_and_exit,
+    tiny_config,
+    tiny_models,
+)
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.distributed import full_state, zero_stage
@@ -196,7 +202,8 @@ def main():
         report["shared"] = {"logs": logs(shared), "optimizer_steps": shared_steps,
                             "adapter_params": sum(v.requires_grad for v in shared.unwrapped.parameters())}
     (opts.out / f"{opts.tag}_rank{rank}.json").write_text(json.dumps(report))
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

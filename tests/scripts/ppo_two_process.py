@@ -10,12 +10,19 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from tiny_setup import prompt_dataset, record_optimizer_steps, tiny_config, tiny_models  # beside this file
+from tiny_setup import (  # beside this file
+    prompt_dataset,
+    record_optimizer_steps,
+    run_and_exit,
+    tiny_config,
+    tiny_models,
+)
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
-if __name__ == "__main__":
+
+def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
     tok = build_tiny_tokenizer(pad_equals_eos=True)
@@ -47,3 +54,8 @@ if __name__ == "__main__":
         "completions": None if completions is None else len(completions),
         "eval_prompt_words": None if eval_dataset is None else sum(map(len, eval_dataset["input_ids"])) / 5,
     }))
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    run_and_exit(main)
