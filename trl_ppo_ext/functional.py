@@ -24,14 +24,20 @@ import torch.distributed as dist
 
 __all__ = [
     "KL_ESTIMATORS",
+    "LOSS_TYPES",
     "response_mask",
     "last_valid_index",
     "kl_penalty",
     "shaped_rewards",
     "masked_gae",
     "masked_gae_loop",
+    "masked_gae_decoupled",
+    "length_adaptive_lam",
     "masked_mean",
     "masked_var",
+    "masked_token_mean",
+    "masked_sequence_mean",
+    "masked_loss_aggregate",
     "masked_global_mean_var",
     "masked_global_whiten",
     "masked_clipped_surrogate",
@@ -43,6 +49,9 @@ __all__ = [
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# How a per-token loss is reduced to a scalar, named as TRL's GRPOConfig.loss_type names them
+# (see `masked_loss_aggregate`).
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 
 # --------------------------------------------------------------------------- checks
 
@@ -239,13 +248,35 @@ def shaped_rewards(
 # --------------------------------------------------------------------------- GAE
 
 
-def _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda) -> None:
+Lambda = Union[float, torch.Tensor]  # one GAE lambda for the batch, or a (B,) tensor: one per sequence
+
+
+def _check_lambda(name: str, lam: Lambda, batch: int) -> Lambda:
+    """``lam`` as a float or a (B,) float tensor, every value in [0, 1] (a 0-dim tensor -> float)."""
+    if not isinstance(lam, torch.Tensor):
+        _check_range(name, lam, 0.0, 1.0)
+        return lam
+    if lam.dim() == 0:
+        return _check_lambda(name, lam.item(), batch)
+    if tuple(lam.shape) != (batch,):
+        raise ValueError(
+            f"{name} must be a float or a (B,) tensor with one value per sequence (B = {batch}), "
+            f"got shape {tuple(lam.shape)}"
+        )
+    outside = ~((lam >= 0) & (lam <= 1))  # nan is outside too
+    if outside.any():
+        first = int(outside.nonzero()[0, 0])
+        raise ValueError(f"{name} must be in [0.0, 1.0] for every sequence, got {name}[{first}]={lam[first].item()!r}")
+    return lam if lam.is_floating_point() else lam.float()
+
+
+def _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda) -> Lambda:
     _check_mask(response_mask)
     _check_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must have shape (B, T), got {tuple(response_mask.shape)}")
     _check_range("gamma", gamma, 0.0, 1.0)
-    _check_range("gae_lambda", gae_lambda, 0.0, 1.0)
+    return _check_lambda("gae_lambda", gae_lambda, response_mask.shape[0])
 
 
 def masked_gae_loop(
@@ -253,21 +284,23 @@ def masked_gae_loop(
     values: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
-    gae_lambda: float,
+    gae_lambda: Lambda,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference GAE: the plain reverse loop over T (batched over B). See `masked_gae`.
 
     Kept as the readable definition that `masked_gae` is tested against (they agree to
     ~1e-6 of the magnitude of the summed terms in fp32); too slow for long T.
 
-    Args and Returns: as `masked_gae`.
+    Args and Returns: as `masked_gae` (``gae_lambda`` a float or a (B,) tensor).
     """
-    _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    gae_lambda = _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
     dtype = _float_dtype(token_rewards, values)
     batch, length = response_mask.shape
     zero = torch.zeros((), dtype=dtype, device=values.device)
     rewards = torch.where(response_mask, token_rewards.to(dtype), zero)
     values = torch.where(response_mask, values.to(dtype), zero)
+    if isinstance(gae_lambda, torch.Tensor):
+        gae_lambda = gae_lambda.to(device=values.device, dtype=dtype)
 
     next_value = torch.zeros(batch, dtype=dtype, device=values.device)
     next_advantage = torch.zeros_like(next_value)
@@ -290,12 +323,40 @@ def masked_gae_loop(
     return advantages, returns
 
 
+def _masked_deltas(token_rewards, values, response_mask, gamma):
+    """TD errors inside the mask: ``(deltas, values, cont, zero)``, all (B, T) but ``zero`` (0-dim).
+
+    ``values`` is the input with 0 outside the mask, ``cont`` says that t + 1 continues t's
+    episode, ``deltas[b, t] = r_t + gamma * V_{t+1} * cont[b, t] - V_t`` (0 outside the mask).
+    """
+    dtype = _float_dtype(token_rewards, values)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    rewards = torch.where(response_mask, token_rewards.to(dtype), zero)
+    values = torch.where(response_mask, values.to(dtype), zero)
+    # cont[b, t] = response_mask[b, t] and t + 1 < T and response_mask[b, t + 1]
+    cont = response_mask & _shift_left(response_mask, 1)
+    # next_values[b, t] = values[b, t + 1] if cont[b, t] else 0
+    next_values = torch.where(cont, _shift_left(values, 1), zero)
+    deltas = torch.where(response_mask, rewards + gamma * next_values - values, zero)
+    return deltas, values, cont, zero
+
+
+def _masked_gae_scan(deltas, cont, response_mask, gamma: float, gae_lambda: Lambda, zero) -> torch.Tensor:
+    """``A[b, t] = deltas[b, t] + gamma * lambda_b * cont[b, t] * A[b, t + 1]``, 0 outside the mask."""
+    if isinstance(gae_lambda, torch.Tensor):
+        discount = gamma * gae_lambda.to(device=deltas.device, dtype=deltas.dtype)  # (B,)
+    else:
+        discount = gamma * gae_lambda
+    advantages = _reverse_discounted_scan(deltas, cont, discount)
+    return torch.where(response_mask, advantages, zero)
+
+
 def masked_gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
-    gae_lambda: float,
+    gae_lambda: Lambda,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation inside the mask, without a Python loop over T or B.
 
@@ -315,28 +376,103 @@ def masked_gae(
         values: critic values V_t of the rollout (old) policy, shape (B, T).
         response_mask: bool (B, T).
         gamma: discount in [0, 1].
-        gae_lambda: GAE lambda in [0, 1].
+        gae_lambda: GAE lambda in [0, 1]: a float, or a (B,) tensor with one lambda per
+            sequence (e.g. `length_adaptive_lam`).
 
     Returns:
         ``(advantages, returns)``, both (B, T), computed and returned in the inputs'
         promoted dtype (at least float32), exactly 0 outside the mask;
-        ``returns = advantages + values`` on valid positions.
+        ``returns = advantages + values`` on valid positions. For value targets with their
+        own lambda see `masked_gae_decoupled`.
     """
-    _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
-    dtype = _float_dtype(token_rewards, values)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    rewards = torch.where(response_mask, token_rewards.to(dtype), zero)
-    values = torch.where(response_mask, values.to(dtype), zero)
-    # cont[b, t] = response_mask[b, t] and t + 1 < T and response_mask[b, t + 1]
-    cont = response_mask & _shift_left(response_mask, 1)
-    # next_values[b, t] = values[b, t + 1] if cont[b, t] else 0
-    next_values = torch.where(cont, _shift_left(values, 1), zero)
-    deltas = torch.where(response_mask, rewards + gamma * next_values - values, zero)
-    # advantages[b, t] = deltas[b, t] + gamma * gae_lambda * cont[b, t] * advantages[b, t + 1]
-    advantages = _reverse_discounted_scan(deltas, cont, gamma * gae_lambda)
-    advantages = torch.where(response_mask, advantages, zero)
+    gae_lambda = _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    deltas, values, cont, zero = _masked_deltas(token_rewards, values, response_mask, gamma)
+    advantages = _masked_gae_scan(deltas, cont, response_mask, gamma, gae_lambda, zero)
     returns = torch.where(response_mask, advantages + values, zero)
     return advantages, returns
+
+
+def masked_gae_decoupled(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    gae_lambda: Lambda,
+    value_lambda: Optional[Lambda] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with one lambda for the policy's advantages and another for the critic's targets.
+
+    Decoupled GAE (VC-PPO, arXiv 2503.01491; VAPO, 2504.05118): with the TD errors
+    ``delta_t`` of `masked_gae`, ``A_t = sum_k (gamma * gae_lambda)**k * delta_{t+k}`` and
+    ``R_t = V_t + sum_k (gamma * value_lambda)**k * delta_{t+k}`` (sums within the
+    episode). ``value_lambda = 1`` makes ``R_t`` the Monte-Carlo return
+    ``sum_k gamma**k * r_{t+k}`` (the sum telescopes; the terminal value is 0), a target
+    free of the critic's own bias.
+
+    Equivalent to (two runs of the same reverse loop, one per lambda)::
+
+        advantages, _ = masked_gae_loop(r, V, mask, gamma, gae_lambda)
+        value_advantages, _ = masked_gae_loop(r, V, mask, gamma, value_lambda)
+        returns = where(mask, value_advantages + V, 0)
+
+    Args:
+        token_rewards, values, response_mask, gamma: as `masked_gae`, (B, T).
+        gae_lambda: the policy's lambda: a float in [0, 1] or a (B,) tensor.
+        value_lambda: the value targets' lambda, a float in [0, 1] or a (B,) tensor; None
+            uses ``gae_lambda`` (then the result is exactly `masked_gae`'s).
+
+    Returns:
+        ``(advantages, returns)``, both (B, T) in the inputs' promoted dtype (at least
+        float32), exactly 0 outside the mask.
+    """
+    gae_lambda = _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    if value_lambda is not None:
+        value_lambda = _check_lambda("value_lambda", value_lambda, response_mask.shape[0])
+    deltas, values, cont, zero = _masked_deltas(token_rewards, values, response_mask, gamma)
+    advantages = _masked_gae_scan(deltas, cont, response_mask, gamma, gae_lambda, zero)
+    if value_lambda is None:
+        value_advantages = advantages
+    else:
+        value_advantages = _masked_gae_scan(deltas, cont, response_mask, gamma, value_lambda, zero)
+    returns = torch.where(response_mask, value_advantages + values, zero)
+    return advantages, returns
+
+
+def length_adaptive_lam(
+    response_mask: torch.Tensor, alpha: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """VAPO's length-adaptive GAE lambda, one per sequence: ``1 - 1 / (alpha * L)``.
+
+    L is the number of valid tokens of the sequence, so the effective horizon
+    ``1 / (1 - lambda)`` is ``alpha * L``: a long response keeps more of its distant reward
+    in each token's advantage (VAPO, arXiv 2504.05118, uses alpha = 0.05). Where
+    ``alpha * L <= 1`` (an empty row included) the formula would give lambda <= 0; it is
+    clamped to 0 there. Equivalent to::
+
+        [max(0.0, 1 - 1 / (alpha * L)) if alpha * L > 1 else 0.0 for L in response_mask.sum(1)]
+
+    Args:
+        response_mask: bool (B, T); a row's L counts every True position (holes included).
+        alpha: > 0, finite.
+        dtype: float dtype of the result (computed in float64 unless on MPS).
+
+    Returns:
+        (B,) lambdas in [0, 1), ready for ``gae_lambda`` of `masked_gae` /
+        `masked_gae_decoupled`.
+
+    Example:
+        >>> length_adaptive_lam(torch.tensor([[True] * 40, [True] * 10 + [False] * 30]), 0.05)
+        tensor([0.5000, 0.0000])
+    """
+    _check_mask(response_mask)
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must have shape (B, T), got {tuple(response_mask.shape)}")
+    if not 0 < alpha < math.inf:  # nan fails too
+        raise ValueError(f"alpha must be a finite number > 0 (VAPO uses 0.05), got alpha={alpha!r}")
+    acc = _accumulation_dtype(response_mask)
+    horizon = alpha * response_mask.sum(dim=1).to(acc)  # alpha * L, (B,)
+    safe_horizon = torch.where(horizon > 1, horizon, 1)  # double where: no 1/0 in either branch
+    return torch.where(horizon > 1, 1 - 1 / safe_horizon, 0).to(dtype)
 
 
 def _shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -344,7 +480,9 @@ def _shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.nn.functional.pad(x[:, steps:], (0, min(steps, x.shape[1])))
 
 
-def _reverse_discounted_scan(x: torch.Tensor, cont: torch.Tensor, discount: float) -> torch.Tensor:
+def _reverse_discounted_scan(
+    x: torch.Tensor, cont: torch.Tensor, discount: Union[float, torch.Tensor]
+) -> torch.Tensor:
     """Solve ``y[:, t] = x[:, t] + c * cont[:, t] * y[:, t + 1]`` (``y[:, T] = 0``) for all t.
 
     Naive form: ``for t in reversed(range(T)): y[:, t] = x[:, t] + a[:, t] * y[:, t + 1]``
@@ -358,13 +496,18 @@ def _reverse_discounted_scan(x: torch.Tensor, cont: torch.Tensor, discount: floa
     through O(log T) roundings, and memory is a few (B, T) tensors.
 
     Args:
-        x: (B, T) float, finite. cont: (B, T) bool. discount: c in [0, 1].
+        x: (B, T) float, finite. cont: (B, T) bool. discount: c in [0, 1], a float or a
+            (B,) tensor of x's dtype (one c per row).
 
     Returns:
         (B, T) y, same dtype as x.
     """
     y = x
-    a = torch.where(cont, torch.full((), discount, dtype=x.dtype, device=x.device), 0)
+    if isinstance(discount, torch.Tensor):
+        per_row = discount[:, None]  # (B, 1)
+    else:
+        per_row = torch.full((), discount, dtype=x.dtype, device=x.device)
+    a = torch.where(cont, per_row, 0)
     span = 1
     while span < x.shape[1]:
         y = y + a * _shift_left(y, span)
@@ -454,6 +597,104 @@ def masked_token_mean(
         x = x.float()
     total = torch.where(mask.expand(x.shape), x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
     return total / torch.as_tensor(num_tokens, dtype=x.dtype, device=x.device).clamp(min=1e-12)
+
+
+def _check_divisor(name: str, value) -> None:
+    if value is not None and not isinstance(value, torch.Tensor) and not value > 0:
+        raise ValueError(f"{name} must be > 0 (a count of the whole mini-batch), got {name}={value!r}")
+
+
+def masked_sequence_mean(
+    x: torch.Tensor, mask: torch.Tensor, num_sequences: Optional[Union[float, torch.Tensor]] = None
+) -> torch.Tensor:
+    """This batch's share of the mean over ``num_sequences`` sequences of each one's token mean.
+
+    TRL GRPO's ``loss_type="grpo"``: every sequence weighs the same, whatever its length
+    (so a token of a short sequence weighs more). Equivalent to::
+
+        sum(sum(x[b][t] for t in range(T) if mask[b][t]) / max(1, sum(mask[b])) for b in range(B))
+        / num_sequences
+
+    Each sequence's mean is its own, so summing this over the micro-batches (and processes)
+    of a mini-batch, each with the mini-batch's ``num_sequences``, gives the whole
+    mini-batch's value.
+
+    Args:
+        x: (B, T). mask: bool (B, T); a row without a valid token contributes 0.
+        num_sequences: the divisor (> 0); None divides by B (this batch's mean).
+
+    Returns:
+        Scalar, differentiable in ``x``.
+
+    Example:
+        >>> masked_sequence_mean(torch.tensor([[1., 3.], [6., 9.]]), torch.tensor([[True, True], [True, False]]), 4)
+        tensor(2.)
+    """
+    _check_mask(mask, "mask")
+    _check_same_shape(x=x, mask=mask)
+    _check_divisor("num_sequences", num_sequences)
+    if not x.is_floating_point():
+        x = x.float()
+    per_sequence = masked_mean(x, mask, dim=-1)  # (B,), 0 for an empty row
+    divisor = x.shape[0] if num_sequences is None else num_sequences
+    return per_sequence.sum() / torch.as_tensor(divisor, dtype=x.dtype, device=x.device).clamp(min=1e-12)
+
+
+def masked_loss_aggregate(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "dapo",
+    *,
+    num_tokens: Optional[Union[float, torch.Tensor]] = None,
+    num_sequences: Optional[Union[float, torch.Tensor]] = None,
+    max_completion_length: Optional[int] = None,
+) -> torch.Tensor:
+    """A per-token loss reduced to this batch's share of the mini-batch loss, by ``loss_type``.
+
+    The names are TRL ``GRPOConfig.loss_type``'s, for the same normalisations:
+
+    - ``"dapo"``: ``sum(x[mask]) / num_tokens``, the token mean over the mini-batch on every
+      process (`masked_token_mean`; this package's loss before ``loss_type`` existed);
+    - ``"grpo"``: ``sum_b mean_t(x[b]) / num_sequences``, the mean of each sequence's token
+      mean (`masked_sequence_mean`);
+    - ``"dr_grpo"``: ``sum(x[mask]) / (num_sequences * max_completion_length)``, Dr. GRPO's
+      constant normaliser (arXiv 2503.20783), free of any length weighting.
+
+    Pass the normalisers of the WHOLE mini-batch (over every process): then the values of
+    its micro-batches and shards add up to the mini-batch's, however it is cut. None
+    normalises by this batch alone (``num_tokens = mask.sum()``, ``num_sequences = B``,
+    ``max_completion_length = T``). A normaliser the loss type does not use is ignored.
+
+    Args:
+        x: (B, T) per-token loss (or objective). mask: bool (B, T).
+        loss_type: one of ``LOSS_TYPES``.
+        num_tokens: valid tokens of the mini-batch ("dapo").
+        num_sequences: sequences of the mini-batch ("grpo", "dr_grpo").
+        max_completion_length: the generation limit, TRL's name ("dr_grpo").
+
+    Returns:
+        Scalar, differentiable in ``x``.
+
+    Example:
+        >>> x, mask = torch.tensor([[1., 3.], [6., 9.]]), torch.tensor([[True, True], [True, False]])
+        >>> [masked_loss_aggregate(x, mask, t).item() for t in LOSS_TYPES]  # 10/3, (2 + 6)/2, 10/(2*2)
+        [3.3333332538604736, 4.0, 2.5]
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"loss_type must be one of {', '.join(repr(t) for t in LOSS_TYPES)}, got loss_type={loss_type!r}"
+        )
+    if loss_type == "dapo":
+        return masked_token_mean(x, mask, num_tokens)
+    if loss_type == "grpo":
+        return masked_sequence_mean(x, mask, num_sequences)
+    _check_mask(mask, "mask")
+    _check_same_shape(x=x, mask=mask)
+    _check_divisor("num_sequences", num_sequences)
+    _check_divisor("max_completion_length", max_completion_length)
+    sequences = x.shape[0] if num_sequences is None else num_sequences
+    length = x.shape[-1] if max_completion_length is None else max_completion_length
+    return masked_token_mean(x, mask, sequences * length)
 
 
 def _distributed() -> bool:
@@ -571,6 +812,14 @@ def masked_global_whiten(
 # --------------------------------------------------------------------------- losses
 
 
+def _check_dual_clip(dual_clip: Optional[float]) -> None:
+    if dual_clip is not None and not 1 < dual_clip < math.inf:  # nan fails too
+        raise ValueError(
+            f"dual_clip must be a finite number > 1 (the bound c of max(min(r*A, clip(r)*A), c*A) for A < 0; "
+            f"3.0 is common) or None to turn it off, got dual_clip={dual_clip!r}"
+        )
+
+
 def masked_clipped_surrogate(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -578,12 +827,22 @@ def masked_clipped_surrogate(
     response_mask: torch.Tensor,
     cliprange: float,
     num_tokens: Optional[Union[float, torch.Tensor]] = None,
+    *,
+    cliprange_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    loss_type: str = "dapo",
+    num_sequences: Optional[Union[float, torch.Tensor]] = None,
+    max_completion_length: Optional[int] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped policy loss from log-probs, averaged over all valid tokens of the batch.
 
     ``ratio = exp(where(mask, new_logprobs - old_logprobs, 0))``: the log-ratio is selected
     before ``exp``, so garbage (even inf) outside the mask reaches neither the loss nor its
-    gradient.
+    gradient. Per token the objective is ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``
+    (DAPO's clip-higher when ``eps_high > eps``, arXiv 2503.14476); with ``dual_clip = c``
+    (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729) a token with ``A < 0`` takes
+    ``max(that, c * A)``, so its loss is at most ``c * |A|`` however large the ratio grows
+    (there, no gradient flows).
 
     Args:
         new_logprobs: log pi_new(a_t|s_t) of the policy being trained, shape (B, T).
@@ -593,11 +852,17 @@ def masked_clipped_surrogate(
         cliprange: eps >= 0; the ratio is clipped to [1 - eps, 1 + eps].
         num_tokens: divide the token sum by this instead of this batch's valid-token count
             (see ``masked_token_mean``); None: the mean over this batch.
+        cliprange_high: eps_high >= 0, the upper clip ``1 + eps_high``; None: ``cliprange``.
+        dual_clip: c > 1, or None (off).
+        loss_type, num_sequences, max_completion_length: how the per-token objective is
+            reduced, see `masked_loss_aggregate` (``num_tokens`` serves "dapo", the default).
 
     Returns:
-        ``(loss, stats)``: ``loss = -masked_mean(min(ratio * A, clip(ratio) * A))`` (or that
-        sum over ``num_tokens``), and detached scalars over the valid tokens: ``clipfrac``
-        (share where the clipped term is strictly smaller, i.e. the one chosen),
+        ``(loss, stats)``: ``loss = -masked_mean(objective)`` (or the ``loss_type``
+        reduction), and detached scalars over the valid tokens: ``clipfrac`` (share where
+        the clipped term is strictly smaller, i.e. the one chosen), split by side into
+        ``clipfrac_lower`` (A < 0, ratio < 1 - eps) and ``clipfrac_upper`` (A > 0,
+        ratio > 1 + eps_high), ``clipfrac_dual`` (share where ``c * A`` is taken; 0 when off),
         ``ratio_mean``, ``ratio_max`` (-inf for an empty mask) and ``approxkl``
         (``0.5 * mean(log_ratio**2)``). Loss and means are 0 for an empty mask.
     """
@@ -606,17 +871,34 @@ def masked_clipped_surrogate(
         new_logprobs=new_logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
     )
     _check_range("cliprange", cliprange, 0.0, float("inf"))
+    if cliprange_high is not None:
+        _check_range("cliprange_high", cliprange_high, 0.0, float("inf"))
+    _check_dual_clip(dual_clip)
+    high = cliprange if cliprange_high is None else cliprange_high
     dtype = _float_dtype(new_logprobs, old_logprobs, advantages)
     zero = torch.zeros((), dtype=dtype, device=new_logprobs.device)
     log_ratio = torch.where(response_mask, new_logprobs.to(dtype) - old_logprobs.to(dtype), zero)
     ratio = torch.exp(log_ratio)
     advantages = torch.where(response_mask, advantages.to(dtype), zero)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages
-    loss = -masked_token_mean(torch.minimum(unclipped, clipped), response_mask, num_tokens)
+    clipped = torch.clamp(ratio, 1 - cliprange, 1 + high) * advantages
+    objective = torch.minimum(unclipped, clipped)
+    # dual clip: objective = max(objective, c * A) where A < 0 (c * A is finite: A is 0 off the mask)
+    dual = torch.zeros_like(response_mask)
+    if dual_clip is not None:
+        dual = (advantages < 0) & (dual_clip * advantages > objective)
+        objective = torch.where(dual, dual_clip * advantages, objective)
+    loss = -masked_loss_aggregate(
+        objective, response_mask, loss_type,
+        num_tokens=num_tokens, num_sequences=num_sequences, max_completion_length=max_completion_length,
+    )
     with torch.no_grad():
+        chose_clipped = clipped < unclipped
         stats = {
-            "clipfrac": masked_mean((clipped < unclipped).to(dtype), response_mask),
+            "clipfrac": masked_mean(chose_clipped.to(dtype), response_mask),
+            "clipfrac_lower": masked_mean((chose_clipped & (advantages < 0)).to(dtype), response_mask),
+            "clipfrac_upper": masked_mean((chose_clipped & (advantages > 0)).to(dtype), response_mask),
+            "clipfrac_dual": masked_mean(dual.to(dtype), response_mask),
             "ratio_mean": masked_mean(ratio, response_mask),
             "ratio_max": ratio.masked_fill(~response_mask, float("-inf")).amax() if ratio.numel() else zero - math.inf,
             "approxkl": 0.5 * masked_mean(log_ratio.square(), response_mask),
