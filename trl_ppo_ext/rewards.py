@@ -259,3 +259,155 @@ def evaluate_rewards(
         )
     weights = torch.tensor([r.weight for r in rewards], device=device)
     return combine_scores(values, applies, weights), values, applies
+
+
+# ---------------------------------------------------------------- per-token (process) rewards
+def is_token_level(output) -> bool:
+    """Whether one completion's reward is token-level: a list/tuple (pairs or dense values) or a
+    1-D tensor, as opposed to a number or None (a sequence reward)."""
+    return isinstance(output, (list, tuple)) or (isinstance(output, torch.Tensor) and output.dim() == 1)
+
+
+def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "reward") -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """One reward's per-completion outputs placed on the response tokens.
+
+    Each completion's output is one of:
+
+    - a number: a sequence reward, placed on the last valid token (as the trainer places scores);
+    - a list of ``(token_index, reward)`` pairs: each reward on the ``token_index``-th valid token
+      of the completion (0 = the first response token, as in ``completion_ids``); rewards named
+      for the same token add up;
+    - a dense list (or 1-D tensor) of numbers, one per valid token;
+    - None: the reward does not apply (a row of zeros, ``applies`` False).
+
+    Args:
+        outputs: ``B`` outputs, one per completion.
+        response_mask: bool ``(B, T)``, True = the token counts (the valid tokens of a row, in order).
+        name: the reward's name, for errors.
+    Returns:
+        ``(rewards (B, T) float32 on response_mask's device, applies (B,) bool)``; ``rewards`` is 0
+        wherever ``response_mask`` is False. A row with no valid token gets nothing (as
+        ``functional.shaped_rewards``).
+    Raises:
+        ValueError naming the reward, the completion and the index when an index lies outside the
+        completion's valid tokens, a dense list has the wrong length, or an entry is not a number.
+
+    Equivalent naive loop (``cols[b]`` = positions of row ``b``'s valid tokens)::
+
+        for b, out in enumerate(outputs):
+            if number: rewards[b, cols[b][-1]] += out
+            elif pairs: for k, r in out: rewards[b, cols[b][k]] += r
+            elif dense: for k, r in enumerate(out): rewards[b, cols[b][k]] += r
+
+    Example:
+        >>> mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+        >>> token_rewards([[(0, 0.5), (2, 1.0)], 2.0], mask)[0]
+        tensor([[0.5000, 0.0000, 1.0000, 0.0000],
+                [0.0000, 2.0000, 0.0000, 0.0000]])
+    """
+    if len(outputs) != response_mask.shape[0]:
+        raise ValueError(f"Reward {name!r} returned {len(outputs)} outputs for {response_mask.shape[0]} completions.")
+    cols = [torch.nonzero(m).flatten().tolist() for m in response_mask.cpu()]  # valid positions per row
+    rows, places, values = [], [], []
+    for b, out in enumerate(outputs):
+        for k, value in _token_entries(name, b, out, len(cols[b])):
+            rows.append(b)
+            places.append(cols[b][k])
+            values.append(value)
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    if rows:
+        rewards.index_put_((torch.tensor(rows), torch.tensor(places)), torch.tensor(values, dtype=torch.float32),
+                           accumulate=True)
+    applies = torch.tensor([out is not None for out in outputs], dtype=torch.bool)
+    return rewards.to(response_mask.device), applies.to(response_mask.device)
+
+
+def _token_entries(name: str, b: int, out, length: int) -> list[tuple[int, float]]:
+    """``[(valid-token index, reward), ...]`` of completion ``b``'s output (``length`` valid tokens)."""
+    if out is None or (not is_token_level(out) and length == 0):
+        return []
+    if not is_token_level(out):
+        return [(length - 1, _number(name, b, out))]
+    entries = out.tolist() if isinstance(out, torch.Tensor) else list(out)
+    if all(isinstance(e, (list, tuple)) and len(e) == 2 for e in entries):
+        pairs = [(k, _number(name, b, r)) for k, r in entries]
+        for k, _ in pairs:
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < length:
+                raise ValueError(
+                    f"Reward {name!r} placed a reward on token index {k!r} of completion {b}, which has {length} valid "
+                    f"tokens; indices count the completion's tokens from 0 (as completion_ids), so use 0..{length - 1}."
+                )
+        return pairs
+    if len(entries) != length:
+        raise ValueError(
+            f"Reward {name!r} returned {len(entries)} per-token values for completion {b}, which has {length} valid "
+            "tokens; a dense list needs one value per token, or return (token_index, reward) pairs."
+        )
+    return [(k, _number(name, b, r)) for k, r in enumerate(entries)]
+
+
+def _number(name: str, b: int, value) -> float:
+    if isinstance(value, bool) or not _is_number(value):
+        raise ValueError(
+            f"Reward {name!r} returned {value!r} ({type(value).__name__}) for completion {b}; a reward is a number, a "
+            "list of (token_index, number) pairs, a list of one number per token, or None."
+        )
+    return float(value)
+
+
+def separator_ends(ids: torch.Tensor, mask: torch.Tensor, separator_ids: Sequence[int]) -> torch.Tensor:
+    """Where each occurrence of the step separator ends.
+
+    Args:
+        ids: ``(B, T)`` token ids. mask: bool ``(B, T)``, True = the token counts.
+        separator_ids: the separator's token ids (TRL's ``PRMTrainer`` appends
+            ``tokenizer.encode(step_separator, add_special_tokens=False)`` to every step and labels
+            its last token), ``k >= 1`` of them.
+    Returns:
+        bool ``(B, T)``: True at the last token of every run ``ids[b, t-k+1 : t+1] == separator_ids``
+        lying wholly on counted tokens.
+
+    Example:
+        >>> separator_ends(torch.tensor([[5, 9, 7, 9]]), torch.tensor([[True, True, True, False]]), [9])
+        tensor([[False,  True, False, False]])
+    """
+    k = len(separator_ids)
+    if k == 0:
+        raise ValueError("separator_ids is empty; pass the step separator's token ids (at least one).")
+    out = torch.zeros_like(mask, dtype=torch.bool)
+    if ids.shape[1] < k:
+        return out
+    sep = torch.as_tensor(list(separator_ids), dtype=ids.dtype, device=ids.device)
+    windows = ids.unfold(1, k, 1)  # (B, T - k + 1, k): window j covers tokens j .. j + k - 1
+    found = (windows == sep).all(-1) & mask.bool().unfold(1, k, 1).all(-1)
+    out[:, k - 1:] = found
+    return out
+
+
+def process_rewards(logits: torch.Tensor, ids: torch.Tensor, response_mask: torch.Tensor,
+                    separator_ids: Sequence[int], positive_label: int = 1) -> torch.Tensor:
+    """A process reward model's step scores placed on the step separators of the responses.
+
+    A PRM trained with TRL's ``PRMTrainer`` is a token classifier whose label at the last token
+    of each step's separator says whether the step is correct (1) or not (0). Its step score is
+    ``P(positive_label)``, read at every separator end.
+
+    Args:
+        logits: ``(B, T, C)`` token-classification logits at the response tokens (``logits[:, t]``
+            classifies token ``t``: no shift, unlike a causal LM).
+        ids: ``(B, T)`` response ids the PRM read. response_mask: bool ``(B, T)``.
+        separator_ids: the step separator's token ids. positive_label: the "correct" class.
+    Returns:
+        ``(B, T)`` float32: ``softmax(logits[b, t])[positive_label]`` where a separator ends at
+        ``t`` (:func:`separator_ends`), 0 elsewhere. A final step without a separator gets no
+        score (``PRMTrainer`` labels only separators).
+    """
+    if logits.shape[:2] != ids.shape or ids.shape != response_mask.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be (B, T, C) over ids/response_mask (B, T) = "
+                         f"{tuple(ids.shape)}/{tuple(response_mask.shape)}.")
+    if not 0 <= positive_label < logits.shape[-1]:
+        raise ValueError(f"positive_label={positive_label} is not a class of the PRM's {logits.shape[-1]} labels.")
+    scores = logits.float().softmax(-1)[..., positive_label]
+    at_step = separator_ends(ids, response_mask, separator_ids)
+    return torch.where(at_step, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
