@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trl_ppo_ext.remote import RemoteRewardError, remote_reward
+from trl_ppo_ext.rewards import RemoteRewardError, remote_reward  # the public path
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 FAST = dict(timeout=0.2, backoff=0.0)

@@ -2,14 +2,17 @@
 with the RM's chat template, re-tokenized and padded by the RM's tokenizer, and scored exactly as
 the RM scores that text when called directly. The RM here reads characters; the policy, words."""
 
+import math
 import string
 
 import pytest
 import torch
+from datasets import Dataset
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from trl_ppo_ext.reward_text import (
+    TextRewardModel,
     completion_texts,
     resolve_reward_tokenizer,
     reward_model_inputs,
@@ -132,3 +135,24 @@ def test_which_path_a_reward_model_takes(policy_tok, tmp_path):
     char_rm.config._name_or_path = str(tmp_path)
     loaded = resolve_reward_tokenizer(char_rm, policy_tok)
     assert loaded is not None and same_vocabulary(loaded, rm_tok)
+
+
+# ---------------------------------------------------------------- in the trainer, today
+def test_a_ppo_run_scores_with_an_rm_of_another_vocabulary_through_reward_funcs(make_trainer, tok):
+    rm_tok = char_tokenizer()
+    rm = build_tiny_scorer(rm_tok, seed=3).eval()
+    w = tok.convert_tokens_to_ids
+    data = Dataset.from_dict({"input_ids": [[w("w1"), w("w2")]] * 8,
+                              "prompt": [[{"role": "user", "content": "w1 w2"}]] * 8})
+    fn = TextRewardModel(rm, rm_tok, batch_size=4, name="char_rm")
+    trainer = make_trainer(tok, reward_model=None, reward_funcs=[fn], train_dataset=data, total_episodes=8)
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    responses = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+    # by hand: the RM's template around the prompt and the completion decoded without special tokens
+    texts = [f"[user]w1 w2|[assistant]{tok.decode(ids, skip_special_tokens=True)}|" for ids in responses]
+    with torch.no_grad():
+        direct = rm(**rm_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)).logits[:, 0]
+    torch.testing.assert_close(rollout.scores, direct, rtol=0, atol=0)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["rewards/char_rm/mean"]) for h in logs)

@@ -181,3 +181,28 @@ def score_texts(model, reward_tokenizer, texts: Sequence[str], batch_size: int, 
         rows = torch.arange(per_token.shape[0], device=per_token.device)
         scores.append(per_token[rows, batch.last_index.to(per_token.device)])
     return torch.cat(scores) if scores else torch.zeros(0, device=device)
+
+
+class TextRewardModel:
+    """A reward model of another vocabulary as a reward function (GRPO's convention).
+
+    Usable today through ``PPOTrainer(reward_funcs=[...])``: the trainer passes the decoded
+    completions, this rebuilds the RM's text (:func:`reward_texts`) and scores it
+    (:func:`score_texts`). The model stays where the caller put it (the trainer neither moves,
+    offloads nor shards it, as it does a ``reward_model``).
+    """
+
+    def __init__(self, model, reward_tokenizer, batch_size: int = 8, max_length: int | None = None,
+                 name: str | None = None):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"TextRewardModel: batch_size={batch_size!r}; it must be an integer >= 1.")
+        self.model, self.reward_tokenizer = model, reward_tokenizer
+        self.batch_size, self.max_length = batch_size, max_length
+        path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+        self.__name__ = name or path.rstrip("/").split("/")[-1] or type(model).__name__
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
+        rendered = reward_texts(prompts, texts, self.reward_tokenizer)
+        return score_texts(self.model, self.reward_tokenizer, rendered, self.batch_size,
+                           max_length=self.max_length).tolist()

@@ -33,6 +33,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# `trl_ppo_ext.rewards.remote_reward` is the public path; the client lives in its own module
+from .remote import RemoteReward, RemoteRewardError, remote_reward
+
+__all__ = [
+    "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs", "combine_scores",
+    "evaluate_rewards", "is_token_level", "process_rewards", "remote_reward", "reward_name", "separator_ends",
+    "token_rewards", "values_and_mask",
+]
+
 logger = logging.getLogger(__name__)
 
 
