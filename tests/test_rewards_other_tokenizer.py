@@ -156,3 +156,11 @@ def test_a_ppo_run_scores_with_an_rm_of_another_vocabulary_through_reward_funcs(
     trainer.train()
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert len(logs) == 2 and all(math.isfinite(h["rewards/char_rm/mean"]) for h in logs)
+
+
+def test_text_reward_model_names_and_arguments():
+    rm = build_tiny_scorer(char_tokenizer())
+    rm.config._name_or_path = "org/char-rm"
+    assert TextRewardModel(rm, char_tokenizer()).__name__ == "char-rm"
+    with pytest.raises(ValueError, match="batch_size=0; it must be an integer >= 1"):
+        TextRewardModel(rm, char_tokenizer(), batch_size=0)
