@@ -164,3 +164,24 @@ def test_text_reward_model_names_and_arguments():
     assert TextRewardModel(rm, char_tokenizer()).__name__ == "char-rm"
     with pytest.raises(ValueError, match="batch_size=0; it must be an integer >= 1"):
         TextRewardModel(rm, char_tokenizer(), batch_size=0)
+
+
+def test_reward_tokenizers_are_attached_to_the_models_that_need_them(policy_tok):
+    from trl_ppo_ext.rewards import build_rewards, with_reward_tokenizers
+
+    rm_tok = char_tokenizer()
+    same_rm, char_rm = build_tiny_scorer(policy_tok), build_tiny_scorer(rm_tok)
+
+    def ones(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    rewards = build_rewards(same_rm, [ones, char_rm], None)
+    attached = with_reward_tokenizers(rewards, policy_tok, [None, rm_tok])
+    assert [r.tokenizer for r in attached] == [None, None, rm_tok]  # the id path, a function, the text path
+    assert [r.source for r in attached] == [r.source for r in rewards]
+    assert with_reward_tokenizers(rewards, policy_tok, [policy_tok, build_tiny_tokenizer()])[2].tokenizer is None
+    with pytest.raises(ValueError, match=r"reward_processing_classes has 1 entries but there are 2 reward models"):
+        with_reward_tokenizers(rewards, policy_tok, [rm_tok])
+    # no tokenizer for the character RM, nothing to load, and 43 embeddings < 46 policy tokens: never silent
+    with pytest.raises(ValueError, match=r"reward model 'LlamaForSequenceClassification_2' has 43 token embeddings"):
+        with_reward_tokenizers(rewards, policy_tok)

@@ -138,3 +138,45 @@ def test_process_rewards_check_their_shapes_and_label():
         process_rewards(torch.zeros(1, 2, 2), ids, mask, [0])
     with pytest.raises(ValueError, match="positive_label=2 is not a class of the PRM's 2 labels"):
         process_rewards(torch.zeros(1, 3, 2), ids, mask, [0], positive_label=2)
+
+
+# ---------------------------------------------------------------- several rewards, some per token
+def test_token_level_functions_go_to_token_rewards_and_the_rest_to_scores():
+    from trl_ppo_ext.rewards import Reward, evaluate_rewards, evaluate_rewards_per_token
+    from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
+
+    rm = build_tiny_scorer(build_tiny_tokenizer())
+    rewards = [Reward("rm", rm, 2.0),
+               Reward("num", lambda completions, **kw: [1.0, None], 1.0),
+               Reward("steps", lambda completions, **kw: [[(0, 4.0)], 6.0], 0.5)]
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+
+    def kwargs():
+        return {"completions": ["a", "b"]}
+
+    scores, values, applies, tokens = evaluate_rewards_per_token(
+        rewards, lambda r: torch.tensor([1.0, -1.0]), kwargs, mask, update=1)
+    # scores: row 0 = 2 * 1 + 1 * 1 = 3; row 1 = 2 * -1 (num does not apply) = -2; "steps" is not in them
+    assert scores.tolist() == [3.0, -2.0]
+    # values: steps' column is each row's sum over tokens (4; 6)
+    assert values[0].tolist() == [1.0, 1.0, 4.0] and values[1, 0] == -1.0 and values[1, 2] == 6.0
+    assert math.isnan(values[1, 1]) and applies.tolist() == [[True, True, True], [True, False, True]]
+    # token rewards: 0.5 * 4 on row 0's token 0; 0.5 * 6 on row 1's last valid token (1)
+    assert tokens.tolist() == [[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]]
+
+    # without any token-level output: the same three tensors as evaluate_rewards, and no token rewards
+    plain = rewards[:2]
+    got = evaluate_rewards_per_token(plain, lambda r: torch.tensor([0.3, -0.7]), kwargs, mask, update=1)
+    want = evaluate_rewards(plain, lambda r: torch.tensor([0.3, -0.7]), kwargs, 2, 1, "cpu")
+    assert got[3] is None
+    for a, b in zip(got[:3], want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_bad_per_token_output_names_the_function():
+    from trl_ppo_ext.rewards import Reward, evaluate_rewards_per_token
+
+    bad = [Reward("steps", lambda completions, **kw: [[(5, 1.0)]], 1.0)]
+    with pytest.raises(ValueError, match=r"Reward 'steps' placed a reward on token index 5 of completion 0, which has "
+                                         r"2 valid tokens"):
+        evaluate_rewards_per_token(bad, None, lambda: {"completions": ["a"]}, torch.tensor([[True, True]]), 1)

@@ -28,7 +28,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -38,8 +38,8 @@ from .remote import RemoteReward, RemoteRewardError, remote_reward
 
 __all__ = [
     "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs", "combine_scores",
-    "evaluate_rewards", "is_token_level", "process_rewards", "remote_reward", "reward_name", "separator_ends",
-    "token_rewards", "values_and_mask",
+    "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level", "process_rewards", "remote_reward",
+    "reward_name", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class Reward:
     name: str
     source: nn.Module | Callable
     weight: float
+    # a model's own tokenizer when its vocabulary is not the policy's (see `reward_text`); None: it
+    # reads the policy's token ids as they are
+    tokenizer: object | None = None
 
     @property
     def is_model(self) -> bool:
@@ -112,6 +115,44 @@ def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | 
     return [Reward(name, source, weight) for name, source, weight in zip(_unique_names(sources), sources, weights)]
 
 
+def with_reward_tokenizers(rewards: Sequence[Reward], policy_tokenizer, reward_processing_classes=None) -> list[Reward]:
+    """``rewards`` with each model's tokenizer attached when its vocabulary is not the policy's.
+
+    Args:
+        reward_processing_classes: GRPO's meaning, one entry per reward *model* in the order of
+            ``rewards`` (``reward_model`` first, then the models among ``reward_funcs``); None (or
+            a None entry) = the model's own tokenizer from its path when loadable, else the
+            policy's ids. A single tokenizer stands for a list of one.
+    Returns:
+        The same rewards; a model whose tokenizer differs gets it as ``Reward.tokenizer`` (the text
+        path, :mod:`trl_ppo_ext.reward_text`), one that shares the policy's vocabulary keeps None
+        (the id path, bit-identical to a run without the argument).
+    Raises:
+        ValueError for a wrong number of entries, or a model whose ids cannot be the policy's and
+        whose tokenizer is neither given nor loadable (see ``resolve_reward_tokenizer``).
+    """
+    from .reward_text import resolve_reward_tokenizer
+
+    models = [r for r in rewards if r.is_model]
+    given = reward_processing_classes
+    if given is None:
+        given = [None] * len(models)
+    elif not isinstance(given, (list, tuple)):
+        given = [given]
+    if len(given) != len(models):
+        raise ValueError(
+            f"reward_processing_classes has {len(given)} entries but there are {len(models)} reward models "
+            f"{[r.name for r in models]} (reward_model first, then the models in reward_funcs). Give one tokenizer (or "
+            "None) per reward model."
+        )
+    tokenizers = iter(given)
+    return [
+        replace(r, tokenizer=resolve_reward_tokenizer(r.source, policy_tokenizer, next(tokenizers),
+                                                      where=f"reward model {r.name!r}")) if r.is_model else r
+        for r in rewards
+    ]
+
+
 def _unique_names(sources) -> list[str]:
     names = [reward_name(s) for s in sources]
     return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
@@ -137,9 +178,10 @@ def combine_scores(values: torch.Tensor, applies: torch.Tensor, weights: torch.T
     return torch.where(applies, values * weights.to(values), zero).sum(dim=1)
 
 
-def check_outputs(name: str, outputs, expected: int, update: int) -> list[float | None]:
+def check_outputs(name: str, outputs, expected: int, update: int, token_level: bool = False) -> list:
     """A reward function's return value as ``expected`` floats or Nones, or a ``ValueError`` that
-    names the function, what it returned and the update."""
+    names the function, what it returned and the update. ``token_level=True`` also lets a
+    completion's list/1-D tensor through as it is (checked by :func:`token_rewards`)."""
     if isinstance(outputs, torch.Tensor):
         outputs = outputs.tolist()
     try:
@@ -156,8 +198,8 @@ def check_outputs(name: str, outputs, expected: int, update: int) -> list[float 
         )
     checked = []
     for i, value in enumerate(outputs):
-        if value is None:
-            checked.append(None)
+        if value is None or (token_level and is_token_level(value)):
+            checked.append(value)
             continue
         if not isinstance(value, (int, float)) and not _is_number(value):
             raise ValueError(
@@ -176,11 +218,13 @@ def _is_number(value) -> bool:
     return hasattr(value, "__float__")
 
 
-def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, update: int) -> list[list[float | None]]:
+def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, update: int,
+                   token_level: bool = False) -> list[list]:
     """Call every reward function with ``kwargs``; ``async`` ones run concurrently.
 
-    Returns one checked list per function, in order. An exception inside a function is
-    re-raised as ``RuntimeError`` naming the function and the update (the original is chained).
+    Returns one checked list per function, in order (:func:`check_outputs`, ``token_level`` as
+    there). An exception inside a function is re-raised as ``RuntimeError`` naming the function
+    and the update (the original is chained).
     """
     results: dict[int, object] = {}
     pending = [(i, r) for i, r in enumerate(rewards) if r.is_async]
@@ -190,7 +234,7 @@ def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, updat
     if pending:
         outputs = _run_async([r.source(**kwargs) for _, r in pending], [r.name for _, r in pending], update)
         results.update({i: out for (i, _), out in zip(pending, outputs)})
-    return [check_outputs(r.name, results[i], expected, update) for i, r in enumerate(rewards)]
+    return [check_outputs(r.name, results[i], expected, update, token_level) for i, r in enumerate(rewards)]
 
 
 def _guarded(name: str, update: int, call):
@@ -363,6 +407,62 @@ def _number(name: str, b: int, value) -> float:
             "list of (token_index, number) pairs, a list of one number per token, or None."
         )
     return float(value)
+
+
+def evaluate_rewards_per_token(
+    rewards: Sequence[Reward], model_scores: Callable[[Reward], torch.Tensor], function_kwargs: Callable[[], dict],
+    response_mask: torch.Tensor, update: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`evaluate_rewards` where a reward function may also return per-token rewards.
+
+    A function none of whose outputs is token-level, and every model, count as there (the
+    sequence ``scores``, bit-identical). A function with any token-level output (a list or 1-D
+    tensor for some completion) has *all* its outputs placed by :func:`token_rewards` (its numbers
+    on the last valid token) and weighted into ``token_rewards`` instead of ``scores``; its column
+    of ``values`` is each completion's sum over tokens (NaN where it returned None), for metrics.
+
+    Args:
+        response_mask: bool ``(B, T)``. Others as :func:`evaluate_rewards`.
+    Returns:
+        ``(scores (B,), values (B, F), applies (B, F), token_rewards (B, T) float32 or None)``;
+        ``token_rewards`` is None when no function returned a token-level output, else
+        ``sum_f weight_f * token_rewards_f`` over the rows where ``f`` applies (0 off the mask),
+        to add to the shaped rewards.
+    """
+    batch_size, device = response_mask.shape[0], response_mask.device
+    values: list = [None] * len(rewards)  # (B,) float32 per reward
+    applies: list = [None] * len(rewards)  # (B,) bool per reward
+    in_scores = [True] * len(rewards)
+    total = None  # (B, T) float32
+    for k, reward in enumerate(rewards):
+        if reward.is_model:
+            values[k] = model_scores(reward).float().to(device)
+            applies[k] = torch.ones(batch_size, dtype=torch.bool, device=device)
+    functions = [k for k, r in enumerate(rewards) if not r.is_model]
+    if functions:
+        outputs = call_functions([rewards[k] for k in functions], function_kwargs(), batch_size, update,
+                                 token_level=True)
+        for k, out in zip(functions, outputs):
+            if any(is_token_level(o) for o in out):
+                placed, applies[k] = token_rewards(out, response_mask, rewards[k].name)
+                values[k] = torch.where(applies[k], placed.sum(1), math.nan)
+                part = torch.where(applies[k][:, None], rewards[k].weight * placed, 0.0)
+                total = part if total is None else total + part
+                in_scores[k] = False
+            else:
+                column, mask = values_and_mask([out], device)
+                values[k], applies[k] = column[:, 0], mask[:, 0]
+    values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
+    none_apply = int((~applies.any(dim=1)).sum()) if functions else 0
+    if none_apply:
+        logger.warning(
+            "%d of %d completions got no reward: every reward function returned None for them (score 0). "
+            "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
+            none_apply, batch_size,
+        )
+    weights = torch.tensor([r.weight for r in rewards], device=device)
+    counted = applies & torch.tensor(in_scores, dtype=torch.bool, device=device)
+    return combine_scores(values, counted, weights), values, applies, total
 
 
 def separator_ends(ids: torch.Tensor, mask: torch.Tensor, separator_ids: Sequence[int]) -> torch.Tensor:
