@@ -16,7 +16,14 @@ The scores of one completion combine as a weighted sum over the rewards that app
 (``PPOConfig.reward_weights``, default 1 each). A completion to which no reward applies gets 0
 and a warning; NaN or inf pass through to the non-finite guard, as an RM's would.
 
-Notation: ``B`` completions, ``F`` rewards.
+Issue 22 adds, for the trainer to wire: per-token rewards (a function may return, per
+completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
+:func:`evaluate_rewards_per_token`), a process reward model's step scores on the step separators
+(:func:`process_rewards`), reward models with their own tokenizer (``Reward.tokenizer``,
+:func:`with_reward_tokenizers`; the text path is :mod:`trl_ppo_ext.reward_text`), and
+:func:`remote_reward` (:mod:`trl_ppo_ext.remote`), usable today.
+
+Notation: ``B`` completions, ``T`` response tokens, ``F`` rewards.
 """
 
 from __future__ import annotations
@@ -290,28 +297,7 @@ def evaluate_rewards(
         (:func:`combine_scores`), each reward's value (NaN where it does not apply) and where it
         applies. A completion no reward applies to scores 0, with a warning.
     """
-    values: list = [None] * len(rewards)  # (B,) float32 per reward
-    applies: list = [None] * len(rewards)  # (B,) bool per reward
-    for k, reward in enumerate(rewards):
-        if reward.is_model:  # model scores stay on the device: no host round trip
-            values[k] = model_scores(reward).float().to(device)
-            applies[k] = torch.ones(batch_size, dtype=torch.bool, device=device)
-    functions = [k for k, r in enumerate(rewards) if not r.is_model]
-    if functions:
-        outputs = call_functions([rewards[k] for k in functions], function_kwargs(), batch_size, update)
-        fn_values, fn_applies = values_and_mask(outputs, device)
-        for j, k in enumerate(functions):
-            values[k], applies[k] = fn_values[:, j], fn_applies[:, j]
-    values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
-    none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
-    if none_apply:
-        logger.warning(
-            "%d of %d completions got no reward: every reward function returned None for them (score 0). "
-            "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
-            none_apply, batch_size,
-        )
-    weights = torch.tensor([r.weight for r in rewards], device=device)
-    return combine_scores(values, applies, weights), values, applies
+    return _evaluate(rewards, model_scores, function_kwargs, batch_size, update, device)[:3]
 
 
 # ---------------------------------------------------------------- per-token (process) rewards
@@ -429,19 +415,26 @@ def evaluate_rewards_per_token(
         ``sum_f weight_f * token_rewards_f`` over the rows where ``f`` applies (0 off the mask),
         to add to the shaped rewards.
     """
-    batch_size, device = response_mask.shape[0], response_mask.device
+    return _evaluate(rewards, model_scores, function_kwargs, response_mask.shape[0], update, response_mask.device,
+                     response_mask)
+
+
+def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: int, device,
+              response_mask: torch.Tensor | None = None):
+    """Both evaluations in one place; ``response_mask`` None: no token-level output is allowed
+    (:func:`check_outputs` refuses it), so every function goes to ``scores`` as it always did."""
     values: list = [None] * len(rewards)  # (B,) float32 per reward
     applies: list = [None] * len(rewards)  # (B,) bool per reward
     in_scores = [True] * len(rewards)
     total = None  # (B, T) float32
     for k, reward in enumerate(rewards):
         if reward.is_model:
-            values[k] = model_scores(reward).float().to(device)
+            values[k] = model_scores(reward).float().to(device)  # stays on the device: no host round trip
             applies[k] = torch.ones(batch_size, dtype=torch.bool, device=device)
     functions = [k for k, r in enumerate(rewards) if not r.is_model]
     if functions:
         outputs = call_functions([rewards[k] for k in functions], function_kwargs(), batch_size, update,
-                                 token_level=True)
+                                 token_level=response_mask is not None)
         for k, out in zip(functions, outputs):
             if any(is_token_level(o) for o in out):
                 placed, applies[k] = token_rewards(out, response_mask, rewards[k].name)
@@ -453,7 +446,7 @@ def evaluate_rewards_per_token(
                 column, mask = values_and_mask([out], device)
                 values[k], applies[k] = column[:, 0], mask[:, 0]
     values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
-    none_apply = int((~applies.any(dim=1)).sum()) if functions else 0
+    none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
     if none_apply:
         logger.warning(
             "%d of %d completions got no reward: every reward function returned None for them (score 0). "
