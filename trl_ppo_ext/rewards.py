@@ -16,7 +16,14 @@ The scores of one completion combine as a weighted sum over the rewards that app
 (``PPOConfig.reward_weights``, default 1 each). A completion to which no reward applies gets 0
 and a warning; NaN or inf pass through to the non-finite guard, as an RM's would.
 
-Notation: ``B`` completions, ``F`` rewards.
+Issue 22 adds, for the trainer to wire: per-token rewards (a function may return, per
+completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
+:func:`evaluate_rewards_per_token`), a process reward model's step scores on the step separators
+(:func:`process_rewards`), reward models with their own tokenizer (``Reward.tokenizer``,
+:func:`with_reward_tokenizers`; the text path is :mod:`trl_ppo_ext.reward_text`), and
+:func:`remote_reward` (:mod:`trl_ppo_ext.remote`), usable today.
+
+Notation: ``B`` completions, ``T`` response tokens, ``F`` rewards.
 """
 
 from __future__ import annotations
@@ -28,10 +35,19 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+
+# `trl_ppo_ext.rewards.remote_reward` is the public path; the client lives in its own module
+from .remote import RemoteReward, RemoteRewardError, remote_reward
+
+__all__ = [
+    "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs", "combine_scores",
+    "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level", "process_rewards", "remote_reward",
+    "reward_name", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +59,9 @@ class Reward:
     name: str
     source: nn.Module | Callable
     weight: float
+    # a model's own tokenizer when its vocabulary is not the policy's (see `reward_text`); None: it
+    # reads the policy's token ids as they are
+    tokenizer: object | None = None
 
     @property
     def is_model(self) -> bool:
@@ -103,6 +122,44 @@ def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | 
     return [Reward(name, source, weight) for name, source, weight in zip(_unique_names(sources), sources, weights)]
 
 
+def with_reward_tokenizers(rewards: Sequence[Reward], policy_tokenizer, reward_processing_classes=None) -> list[Reward]:
+    """``rewards`` with each model's tokenizer attached when its vocabulary is not the policy's.
+
+    Args:
+        reward_processing_classes: GRPO's meaning, one entry per reward *model* in the order of
+            ``rewards`` (``reward_model`` first, then the models among ``reward_funcs``); None (or
+            a None entry) = the model's own tokenizer from its path when loadable, else the
+            policy's ids. A single tokenizer stands for a list of one.
+    Returns:
+        The same rewards; a model whose tokenizer differs gets it as ``Reward.tokenizer`` (the text
+        path, :mod:`trl_ppo_ext.reward_text`), one that shares the policy's vocabulary keeps None
+        (the id path, bit-identical to a run without the argument).
+    Raises:
+        ValueError for a wrong number of entries, or a model whose ids cannot be the policy's and
+        whose tokenizer is neither given nor loadable (see ``resolve_reward_tokenizer``).
+    """
+    from .reward_text import resolve_reward_tokenizer
+
+    models = [r for r in rewards if r.is_model]
+    given = reward_processing_classes
+    if given is None:
+        given = [None] * len(models)
+    elif not isinstance(given, (list, tuple)):
+        given = [given]
+    if len(given) != len(models):
+        raise ValueError(
+            f"reward_processing_classes has {len(given)} entries but there are {len(models)} reward models "
+            f"{[r.name for r in models]} (reward_model first, then the models in reward_funcs). Give one tokenizer (or "
+            "None) per reward model."
+        )
+    tokenizers = iter(given)
+    return [
+        replace(r, tokenizer=resolve_reward_tokenizer(r.source, policy_tokenizer, next(tokenizers),
+                                                      where=f"reward model {r.name!r}")) if r.is_model else r
+        for r in rewards
+    ]
+
+
 def _unique_names(sources) -> list[str]:
     names = [reward_name(s) for s in sources]
     return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
@@ -128,9 +185,10 @@ def combine_scores(values: torch.Tensor, applies: torch.Tensor, weights: torch.T
     return torch.where(applies, values * weights.to(values), zero).sum(dim=1)
 
 
-def check_outputs(name: str, outputs, expected: int, update: int) -> list[float | None]:
+def check_outputs(name: str, outputs, expected: int, update: int, token_level: bool = False) -> list:
     """A reward function's return value as ``expected`` floats or Nones, or a ``ValueError`` that
-    names the function, what it returned and the update."""
+    names the function, what it returned and the update. ``token_level=True`` also lets a
+    completion's list/1-D tensor through as it is (checked by :func:`token_rewards`)."""
     if isinstance(outputs, torch.Tensor):
         outputs = outputs.tolist()
     try:
@@ -147,8 +205,8 @@ def check_outputs(name: str, outputs, expected: int, update: int) -> list[float 
         )
     checked = []
     for i, value in enumerate(outputs):
-        if value is None:
-            checked.append(None)
+        if value is None or (token_level and is_token_level(value)):
+            checked.append(value)
             continue
         if not isinstance(value, (int, float)) and not _is_number(value):
             raise ValueError(
@@ -167,11 +225,13 @@ def _is_number(value) -> bool:
     return hasattr(value, "__float__")
 
 
-def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, update: int) -> list[list[float | None]]:
+def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, update: int,
+                   token_level: bool = False) -> list[list]:
     """Call every reward function with ``kwargs``; ``async`` ones run concurrently.
 
-    Returns one checked list per function, in order. An exception inside a function is
-    re-raised as ``RuntimeError`` naming the function and the update (the original is chained).
+    Returns one checked list per function, in order (:func:`check_outputs`, ``token_level`` as
+    there). An exception inside a function is re-raised as ``RuntimeError`` naming the function
+    and the update (the original is chained).
     """
     results: dict[int, object] = {}
     pending = [(i, r) for i, r in enumerate(rewards) if r.is_async]
@@ -181,7 +241,7 @@ def call_functions(rewards: Sequence[Reward], kwargs: dict, expected: int, updat
     if pending:
         outputs = _run_async([r.source(**kwargs) for _, r in pending], [r.name for _, r in pending], update)
         results.update({i: out for (i, _), out in zip(pending, outputs)})
-    return [check_outputs(r.name, results[i], expected, update) for i, r in enumerate(rewards)]
+    return [check_outputs(r.name, results[i], expected, update, token_level) for i, r in enumerate(rewards)]
 
 
 def _guarded(name: str, update: int, call):
@@ -237,18 +297,154 @@ def evaluate_rewards(
         (:func:`combine_scores`), each reward's value (NaN where it does not apply) and where it
         applies. A completion no reward applies to scores 0, with a warning.
     """
+    return _evaluate(rewards, model_scores, function_kwargs, batch_size, update, device)[:3]
+
+
+# ---------------------------------------------------------------- per-token (process) rewards
+def is_token_level(output) -> bool:
+    """Whether one completion's reward is token-level: a list/tuple (pairs or dense values) or a
+    1-D tensor, as opposed to a number or None (a sequence reward)."""
+    return isinstance(output, (list, tuple)) or (isinstance(output, torch.Tensor) and output.dim() == 1)
+
+
+def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "reward") -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """One reward's per-completion outputs placed on the response tokens.
+
+    Each completion's output is one of:
+
+    - a number: a sequence reward, placed on the last valid token (as the trainer places scores);
+    - a list of ``(token_index, reward)`` pairs: each reward on the ``token_index``-th valid token
+      of the completion (0 = the first response token, as in ``completion_ids``); rewards named
+      for the same token add up;
+    - a dense list (or 1-D tensor) of numbers, one per valid token;
+    - None: the reward does not apply (a row of zeros, ``applies`` False).
+
+    Args:
+        outputs: ``B`` outputs, one per completion.
+        response_mask: bool ``(B, T)``, True = the token counts (the valid tokens of a row, in order).
+        name: the reward's name, for errors.
+    Returns:
+        ``(rewards (B, T) float32 on response_mask's device, applies (B,) bool)``; ``rewards`` is 0
+        wherever ``response_mask`` is False. A row with no valid token gets nothing (as
+        ``functional.shaped_rewards``).
+    Raises:
+        ValueError naming the reward, the completion and the index when an index lies outside the
+        completion's valid tokens, a dense list has the wrong length, or an entry is not a number.
+
+    Equivalent naive loop (``cols[b]`` = positions of row ``b``'s valid tokens)::
+
+        for b, out in enumerate(outputs):
+            if number: rewards[b, cols[b][-1]] += out
+            elif pairs: for k, r in out: rewards[b, cols[b][k]] += r
+            elif dense: for k, r in enumerate(out): rewards[b, cols[b][k]] += r
+
+    Example:
+        >>> mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+        >>> token_rewards([[(0, 0.5), (2, 1.0)], 2.0], mask)[0]
+        tensor([[0.5000, 0.0000, 1.0000, 0.0000],
+                [0.0000, 2.0000, 0.0000, 0.0000]])
+    """
+    if len(outputs) != response_mask.shape[0]:
+        raise ValueError(f"Reward {name!r} returned {len(outputs)} outputs for {response_mask.shape[0]} completions.")
+    cols = [torch.nonzero(m).flatten().tolist() for m in response_mask.cpu()]  # valid positions per row
+    rows, places, values = [], [], []
+    for b, out in enumerate(outputs):
+        for k, value in _token_entries(name, b, out, len(cols[b])):
+            rows.append(b)
+            places.append(cols[b][k])
+            values.append(value)
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    if rows:
+        rewards.index_put_((torch.tensor(rows), torch.tensor(places)), torch.tensor(values, dtype=torch.float32),
+                           accumulate=True)
+    applies = torch.tensor([out is not None for out in outputs], dtype=torch.bool)
+    return rewards.to(response_mask.device), applies.to(response_mask.device)
+
+
+def _token_entries(name: str, b: int, out, length: int) -> list[tuple[int, float]]:
+    """``[(valid-token index, reward), ...]`` of completion ``b``'s output (``length`` valid tokens)."""
+    if out is None or (not is_token_level(out) and length == 0):
+        return []
+    if not is_token_level(out):
+        return [(length - 1, _number(name, b, out))]
+    entries = out.tolist() if isinstance(out, torch.Tensor) else list(out)
+    if all(isinstance(e, (list, tuple)) and len(e) == 2 for e in entries):
+        pairs = [(k, _number(name, b, r)) for k, r in entries]
+        for k, _ in pairs:
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < length:
+                raise ValueError(
+                    f"Reward {name!r} placed a reward on token index {k!r} of completion {b}, which has {length} valid "
+                    f"tokens; indices count the completion's tokens from 0 (as completion_ids), so use 0..{length - 1}."
+                )
+        return pairs
+    if len(entries) != length:
+        raise ValueError(
+            f"Reward {name!r} returned {len(entries)} per-token values for completion {b}, which has {length} valid "
+            "tokens; a dense list needs one value per token, or return (token_index, reward) pairs."
+        )
+    return [(k, _number(name, b, r)) for k, r in enumerate(entries)]
+
+
+def _number(name: str, b: int, value) -> float:
+    if isinstance(value, bool) or not _is_number(value):
+        raise ValueError(
+            f"Reward {name!r} returned {value!r} ({type(value).__name__}) for completion {b}; a reward is a number, a "
+            "list of (token_index, number) pairs, a list of one number per token, or None."
+        )
+    return float(value)
+
+
+def evaluate_rewards_per_token(
+    rewards: Sequence[Reward], model_scores: Callable[[Reward], torch.Tensor], function_kwargs: Callable[[], dict],
+    response_mask: torch.Tensor, update: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`evaluate_rewards` where a reward function may also return per-token rewards.
+
+    A function none of whose outputs is token-level, and every model, count as there (the
+    sequence ``scores``, bit-identical). A function with any token-level output (a list or 1-D
+    tensor for some completion) has *all* its outputs placed by :func:`token_rewards` (its numbers
+    on the last valid token) and weighted into ``token_rewards`` instead of ``scores``; its column
+    of ``values`` is each completion's sum over tokens (NaN where it returned None), for metrics.
+
+    Args:
+        response_mask: bool ``(B, T)``. Others as :func:`evaluate_rewards`.
+    Returns:
+        ``(scores (B,), values (B, F), applies (B, F), token_rewards (B, T) float32 or None)``;
+        ``token_rewards`` is None when no function returned a token-level output, else
+        ``sum_f weight_f * token_rewards_f`` over the rows where ``f`` applies (0 off the mask),
+        to add to the shaped rewards.
+    """
+    return _evaluate(rewards, model_scores, function_kwargs, response_mask.shape[0], update, response_mask.device,
+                     response_mask)
+
+
+def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: int, device,
+              response_mask: torch.Tensor | None = None):
+    """Both evaluations in one place; ``response_mask`` None: no token-level output is allowed
+    (:func:`check_outputs` refuses it), so every function goes to ``scores`` as it always did."""
     values: list = [None] * len(rewards)  # (B,) float32 per reward
     applies: list = [None] * len(rewards)  # (B,) bool per reward
+    in_scores = [True] * len(rewards)
+    total = None  # (B, T) float32
     for k, reward in enumerate(rewards):
-        if reward.is_model:  # model scores stay on the device: no host round trip
-            values[k] = model_scores(reward).float().to(device)
+        if reward.is_model:
+            values[k] = model_scores(reward).float().to(device)  # stays on the device: no host round trip
             applies[k] = torch.ones(batch_size, dtype=torch.bool, device=device)
     functions = [k for k, r in enumerate(rewards) if not r.is_model]
     if functions:
-        outputs = call_functions([rewards[k] for k in functions], function_kwargs(), batch_size, update)
-        fn_values, fn_applies = values_and_mask(outputs, device)
-        for j, k in enumerate(functions):
-            values[k], applies[k] = fn_values[:, j], fn_applies[:, j]
+        outputs = call_functions([rewards[k] for k in functions], function_kwargs(), batch_size, update,
+                                 token_level=response_mask is not None)
+        for k, out in zip(functions, outputs):
+            if any(is_token_level(o) for o in out):
+                placed, applies[k] = token_rewards(out, response_mask, rewards[k].name)
+                values[k] = torch.where(applies[k], placed.sum(1), math.nan)
+                part = torch.where(applies[k][:, None], rewards[k].weight * placed, 0.0)
+                total = part if total is None else total + part
+                in_scores[k] = False
+            else:
+                column, mask = values_and_mask([out], device)
+                values[k], applies[k] = column[:, 0], mask[:, 0]
     values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
     none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
     if none_apply:
@@ -258,4 +454,62 @@ def evaluate_rewards(
             none_apply, batch_size,
         )
     weights = torch.tensor([r.weight for r in rewards], device=device)
-    return combine_scores(values, applies, weights), values, applies
+    counted = applies & torch.tensor(in_scores, dtype=torch.bool, device=device)
+    return combine_scores(values, counted, weights), values, applies, total
+
+
+def separator_ends(ids: torch.Tensor, mask: torch.Tensor, separator_ids: Sequence[int]) -> torch.Tensor:
+    """Where each occurrence of the step separator ends.
+
+    Args:
+        ids: ``(B, T)`` token ids. mask: bool ``(B, T)``, True = the token counts.
+        separator_ids: the separator's token ids (TRL's ``PRMTrainer`` appends
+            ``tokenizer.encode(step_separator, add_special_tokens=False)`` to every step and labels
+            its last token), ``k >= 1`` of them.
+    Returns:
+        bool ``(B, T)``: True at the last token of every run ``ids[b, t-k+1 : t+1] == separator_ids``
+        lying wholly on counted tokens.
+
+    Example:
+        >>> separator_ends(torch.tensor([[5, 9, 7, 9]]), torch.tensor([[True, True, True, False]]), [9])
+        tensor([[False,  True, False, False]])
+    """
+    k = len(separator_ids)
+    if k == 0:
+        raise ValueError("separator_ids is empty; pass the step separator's token ids (at least one).")
+    out = torch.zeros_like(mask, dtype=torch.bool)
+    if ids.shape[1] < k:
+        return out
+    sep = torch.as_tensor(list(separator_ids), dtype=ids.dtype, device=ids.device)
+    windows = ids.unfold(1, k, 1)  # (B, T - k + 1, k): window j covers tokens j .. j + k - 1
+    found = (windows == sep).all(-1) & mask.bool().unfold(1, k, 1).all(-1)
+    out[:, k - 1:] = found
+    return out
+
+
+def process_rewards(logits: torch.Tensor, ids: torch.Tensor, response_mask: torch.Tensor,
+                    separator_ids: Sequence[int], positive_label: int = 1) -> torch.Tensor:
+    """A process reward model's step scores placed on the step separators of the responses.
+
+    A PRM trained with TRL's ``PRMTrainer`` is a token classifier whose label at the last token
+    of each step's separator says whether the step is correct (1) or not (0). Its step score is
+    ``P(positive_label)``, read at every separator end.
+
+    Args:
+        logits: ``(B, T, C)`` token-classification logits at the response tokens (``logits[:, t]``
+            classifies token ``t``: no shift, unlike a causal LM).
+        ids: ``(B, T)`` response ids the PRM read. response_mask: bool ``(B, T)``.
+        separator_ids: the step separator's token ids. positive_label: the "correct" class.
+    Returns:
+        ``(B, T)`` float32: ``softmax(logits[b, t])[positive_label]`` where a separator ends at
+        ``t`` (:func:`separator_ends`), 0 elsewhere. A final step without a separator gets no
+        score (``PRMTrainer`` labels only separators).
+    """
+    if logits.shape[:2] != ids.shape or ids.shape != response_mask.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be (B, T, C) over ids/response_mask (B, T) = "
+                         f"{tuple(ids.shape)}/{tuple(response_mask.shape)}.")
+    if not 0 <= positive_label < logits.shape[-1]:
+        raise ValueError(f"positive_label={positive_label} is not a class of the PRM's {logits.shape[-1]} labels.")
+    scores = logits.float().softmax(-1)[..., positive_label]
+    at_step = separator_ends(ids, response_mask, separator_ids)
+    return torch.where(at_step, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))

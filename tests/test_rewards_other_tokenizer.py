@@ -1,0 +1,187 @@
+"""A reward model with another tokenizer (issue 22): the completion is decoded, the text rebuilt
+with the RM's chat template, re-tokenized and padded by the RM's tokenizer, and scored exactly as
+the RM scores that text when called directly. The RM here reads characters; the policy, words."""
+
+import math
+import string
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from trl_ppo_ext.reward_text import (
+    TextRewardModel,
+    completion_texts,
+    resolve_reward_tokenizer,
+    reward_model_inputs,
+    reward_texts,
+    same_vocabulary,
+    score_texts,
+)
+from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
+
+RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}|{% endfor %}"
+RM_SPECIALS = ["[PAD]", "[UNK]", "[EOS]"]
+
+
+def char_tokenizer(padding_side="right", chat_template=RM_TEMPLATE):
+    """One token per character of lowercase letters, digits, space, brackets and '|'."""
+    chars = list(string.ascii_lowercase + string.digits + " []|")
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(RM_SPECIALS + chars)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]",
+                                  padding_side=padding_side)
+    tok.chat_template = chat_template
+    return tok
+
+
+@pytest.fixture
+def policy_tok():
+    return build_tiny_tokenizer()
+
+
+def ids_of(tok, words):
+    return [tok.convert_tokens_to_ids(w) for w in words.split()]
+
+
+def test_same_vocabulary():
+    assert same_vocabulary(build_tiny_tokenizer(), build_tiny_tokenizer(padding_side="right"))
+    assert not same_vocabulary(build_tiny_tokenizer(), char_tokenizer())
+    # the same strings under other ids is another vocabulary
+    assert not same_vocabulary(build_tiny_tokenizer(), build_tiny_tokenizer(words=[f"w{i}" for i in range(39, -1, -1)]))
+    grown = build_tiny_tokenizer()
+    grown.add_tokens(["<tool>"])
+    assert not same_vocabulary(build_tiny_tokenizer(), grown)
+
+
+def test_conversational_text_is_rendered_with_the_rms_template_and_its_own_tokens(policy_tok):
+    rm_tok = char_tokenizer()
+    prompts = [[{"role": "user", "content": "w1 w2"}], [{"role": "user", "content": "w7"}]]
+    completion_ids = [ids_of(policy_tok, "w3 w4 <eos>"), ids_of(policy_tok, "w15")]
+    completions = completion_texts(completion_ids, policy_tok)
+    assert completions == ["w3 w4", "w15"]  # EOS dropped
+    texts = reward_texts(prompts, completions, rm_tok)
+    assert texts == ["[user]w1 w2|[assistant]w3 w4|", "[user]w7|[assistant]w15|"]
+    batch = reward_model_inputs(texts, rm_tok)
+    vocab = rm_tok.get_vocab()
+    # one id per character; right padding (the RM's side) after the 24 characters of row 1
+    assert batch.input_ids[0].tolist() == [vocab[c] for c in texts[0]]
+    assert len(texts[0]) == 29 and len(texts[1]) == 24  # 6 + 5 + 1 + 11 + 5 + 1; 6 + 2 + 1 + 11 + 3 + 1
+    assert batch.attention_mask.sum(1).tolist() == [29, 24] and batch.attention_mask[1, 24:].eq(0).all()
+    assert batch.input_ids[1, 24:].eq(rm_tok.pad_token_id).all()
+    assert batch.last_index.tolist() == [28, 23] and batch.position_ids[1, :24].tolist() == list(range(24))
+
+
+def test_plain_prompts_are_prompt_plus_completion(policy_tok):
+    completions = completion_texts([ids_of(policy_tok, "w3 <eos>")], policy_tok)
+    assert reward_texts(["w1 w2 "], completions, char_tokenizer()) == ["w1 w2 w3"]
+
+
+def test_left_padding_puts_the_real_tokens_last_with_positions_from_zero():
+    batch = reward_model_inputs(["ab", "abcd"], char_tokenizer(padding_side="left"))
+    assert batch.attention_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]] and batch.last_index.tolist() == [3, 3]
+
+
+def test_an_rm_of_another_vocabulary_scores_exactly_what_it_scores_on_the_rendered_text(policy_tok):
+    rm_tok = char_tokenizer()
+    rm = build_tiny_scorer(rm_tok, seed=3).eval()
+    prompts = [[{"role": "user", "content": "w1 w2"}], [{"role": "user", "content": "w7"}],
+               [{"role": "user", "content": "w9 w9 w9"}]]
+    completion_ids = [ids_of(policy_tok, "w3 w4 <eos>"), ids_of(policy_tok, "w15"), ids_of(policy_tok, "w0 <eos>")]
+    texts = reward_texts(prompts, completion_texts(completion_ids, policy_tok), rm_tok)
+    scores = score_texts(rm, rm_tok, texts, batch_size=2)
+    assert scores.shape == (3,) and scores.dtype == torch.float32
+    # the RM called directly on the rendered text: its own tokenizer, padding and last-token pooling
+    with torch.no_grad():
+        direct = torch.cat([rm(**rm_tok(texts[s:s + 2], return_tensors="pt", padding=True,
+                                        add_special_tokens=False)).logits[:, 0] for s in (0, 2)])
+    torch.testing.assert_close(scores, direct, rtol=0, atol=0)
+    # and row by row, without any padding: the same to float32 rounding
+    with torch.no_grad():
+        alone = torch.stack([rm(**rm_tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+                             for t in texts])
+    torch.testing.assert_close(scores, alone, rtol=1e-5, atol=1e-6)
+    left_pad = score_texts(rm, char_tokenizer(padding_side="left"), texts, batch_size=3)
+    torch.testing.assert_close(left_pad, alone, rtol=1e-5, atol=1e-6)  # the padding side does not change a score
+
+
+def test_errors(policy_tok):
+    with pytest.raises(ValueError, match="no chat template"):
+        reward_texts([[{"role": "user", "content": "w1"}]], ["w2"], char_tokenizer(chat_template=None))
+    with pytest.raises(ValueError, match="2 prompts for 1 completions"):
+        reward_texts(["a", "b"], ["c"], char_tokenizer())
+    with pytest.raises(ValueError, match=r"text 1 \(''\) has no token"):
+        reward_model_inputs(["a", ""], char_tokenizer())
+
+
+def test_which_path_a_reward_model_takes(policy_tok, tmp_path):
+    rm_tok = char_tokenizer()
+    same_rm = build_tiny_scorer(policy_tok)
+    char_rm = build_tiny_scorer(rm_tok)  # 43 embeddings
+    # given: the id path when the vocabulary is the policy's, else the given tokenizer
+    assert resolve_reward_tokenizer(same_rm, policy_tok, build_tiny_tokenizer()) is None
+    assert resolve_reward_tokenizer(char_rm, policy_tok, rm_tok) is rm_tok
+    # not given, nothing to load: the id path when the ids fit, an error when they cannot
+    assert resolve_reward_tokenizer(same_rm, policy_tok) is None
+    small_rm = build_tiny_scorer(build_tiny_tokenizer(words=["w0"]))  # 7 embeddings < 46 policy tokens
+    with pytest.raises(ValueError, match=r"reward_funcs\[1\] has 7 token embeddings but the policy's tokenizer has 46 "
+                                         r"tokens.*reward_processing_classes"):
+        resolve_reward_tokenizer(small_rm, policy_tok, where="reward_funcs[1]")
+    # not given, saved with its tokenizer: loaded from the model's path (GRPO's default)
+    rm_tok.save_pretrained(tmp_path)
+    char_rm.config._name_or_path = str(tmp_path)
+    loaded = resolve_reward_tokenizer(char_rm, policy_tok)
+    assert loaded is not None and same_vocabulary(loaded, rm_tok)
+
+
+# ---------------------------------------------------------------- in the trainer, today
+def test_a_ppo_run_scores_with_an_rm_of_another_vocabulary_through_reward_funcs(make_trainer, tok):
+    rm_tok = char_tokenizer()
+    rm = build_tiny_scorer(rm_tok, seed=3).eval()
+    w = tok.convert_tokens_to_ids
+    data = Dataset.from_dict({"input_ids": [[w("w1"), w("w2")]] * 8,
+                              "prompt": [[{"role": "user", "content": "w1 w2"}]] * 8})
+    fn = TextRewardModel(rm, rm_tok, batch_size=4, name="char_rm")
+    trainer = make_trainer(tok, reward_model=None, reward_funcs=[fn], train_dataset=data, total_episodes=8)
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    responses = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+    # by hand: the RM's template around the prompt and the completion decoded without special tokens
+    texts = [f"[user]w1 w2|[assistant]{tok.decode(ids, skip_special_tokens=True)}|" for ids in responses]
+    with torch.no_grad():
+        direct = rm(**rm_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)).logits[:, 0]
+    torch.testing.assert_close(rollout.scores, direct, rtol=0, atol=0)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["rewards/char_rm/mean"]) for h in logs)
+
+
+def test_text_reward_model_names_and_arguments():
+    rm = build_tiny_scorer(char_tokenizer())
+    rm.config._name_or_path = "org/char-rm"
+    assert TextRewardModel(rm, char_tokenizer()).__name__ == "char-rm"
+    with pytest.raises(ValueError, match="batch_size=0; it must be an integer >= 1"):
+        TextRewardModel(rm, char_tokenizer(), batch_size=0)
+
+
+def test_reward_tokenizers_are_attached_to_the_models_that_need_them(policy_tok):
+    from trl_ppo_ext.rewards import build_rewards, with_reward_tokenizers
+
+    rm_tok = char_tokenizer()
+    same_rm, char_rm = build_tiny_scorer(policy_tok), build_tiny_scorer(rm_tok)
+
+    def ones(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    rewards = build_rewards(same_rm, [ones, char_rm], None)
+    attached = with_reward_tokenizers(rewards, policy_tok, [None, rm_tok])
+    assert [r.tokenizer for r in attached] == [None, None, rm_tok]  # the id path, a function, the text path
+    assert [r.source for r in attached] == [r.source for r in rewards]
+    assert with_reward_tokenizers(rewards, policy_tok, [policy_tok, build_tiny_tokenizer()])[2].tokenizer is None
+    with pytest.raises(ValueError, match=r"reward_processing_classes has 1 entries but there are 2 reward models"):
+        with_reward_tokenizers(rewards, policy_tok, [rm_tok])
+    # no tokenizer for the character RM, nothing to load, and 43 embeddings < 46 policy tokens: never silent
+    with pytest.raises(ValueError, match=r"reward model 'LlamaForSequenceClassification_2' has 43 token embeddings"):
+        with_reward_tokenizers(rewards, policy_tok)

@@ -1,0 +1,281 @@
+"""A reward served over HTTP, as a reward function in TRL GRPO's convention.
+
+``remote_reward(url)`` returns an ``async`` callable for ``PPOTrainer(reward_funcs=...)`` that
+speaks OpenRLHF's remote reward-model protocol (``--remote_rm_url``), so services written for
+OpenRLHF (``openrlhf.cli.serve_rm``, rule-based reward servers) work as they are.
+
+Request: one ``POST`` of JSON per batch of at most ``batch_size`` completions, in order::
+
+    {"query":       [prompt + completion, ...],   # the text an RM scores
+     "prompts":     [prompt, ...],
+     "labels":      [label, ...],                 # dataset column `label_key`; "" without one
+     "completions": [completion, ...],            # the completion alone (an extra key)
+     <column>:      [value, ...], ...}            # each of `columns`, when asked for
+
+Reply: JSON with ``"rewards"`` (``score_key``): one number per completion of the request, in
+its order; JSON ``null`` means "does not apply" (a reward function's None). Other keys
+(OpenRLHF's ``"scores"``, ``"extra_logs"``) are ignored.
+
+Failures: a timeout, a refused or dropped connection, or HTTP 408/429/5xx is retried up to
+``max_retries`` times, waiting ``backoff * 2**k`` seconds (at most ``max_backoff``) before
+retry ``k + 1``; then a :class:`RemoteRewardError` names the URL and the last failure. Any
+other HTTP status, a body that is not JSON, a missing key, a wrong count or a non-number is an
+error at once: a reply that cannot be read as one number per completion is never used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+# Statuses worth another try: request timeout, rate limit, and every server-side error.
+RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
+_MAX_REPLY_BYTES = 64 * 2**20  # a reply larger than this is not a list of rewards
+_EXCERPT = 200  # characters of a reply quoted in an error
+
+
+class RemoteRewardError(RuntimeError):
+    """A remote reward service failed or answered something that is not one reward per completion."""
+
+
+class RemoteReward:
+    """The callable :func:`remote_reward` returns; see the module docstring for the protocol.
+
+    ``__name__`` (``name``) is what the trainer logs it as: ``rewards/<name>/mean``.
+    """
+
+    def __init__(
+        self, url: str, *, tokenizer=None, label_key: str | None = None, columns: Sequence[str] = (),
+        score_key: str = "rewards", batch_size: int = 64, max_concurrent_requests: int = 4,
+        timeout: float = 60.0, max_retries: int = 3, backoff: float = 1.0, max_backoff: float = 30.0,
+        headers: dict[str, str] | None = None, name: str = "remote_reward",
+    ):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"remote_reward: url={url!r} is not an http(s) URL; pass e.g. "
+                             "'http://127.0.0.1:5000/get_reward'.")
+        for arg, value, low in (("batch_size", batch_size, 1), ("max_concurrent_requests", max_concurrent_requests, 1),
+                                ("max_retries", max_retries, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"remote_reward: {arg}={value!r}; it must be an integer >= {low}.")
+        for arg, value in (("timeout", timeout), ("backoff", backoff), ("max_backoff", max_backoff)):
+            if not value >= 0 or (arg == "timeout" and value == 0):
+                raise ValueError(f"remote_reward: {arg}={value!r}; it must be a number of seconds "
+                                 f"{'> 0' if arg == 'timeout' else '>= 0'}.")
+        self.url, self._parts = url, parts
+        self.tokenizer, self.label_key, self.columns = tokenizer, label_key, tuple(columns)
+        self.score_key, self.batch_size, self.max_concurrent_requests = score_key, batch_size, max_concurrent_requests
+        self.timeout, self.max_retries, self.backoff, self.max_backoff = timeout, max_retries, backoff, max_backoff
+        self.headers = dict(headers or {})
+        self.__name__ = name
+
+    def __repr__(self) -> str:
+        return f"RemoteReward({self.url!r}, name={self.__name__!r})"
+
+    async def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float | None]:
+        """Rewards for ``completions`` (GRPO's convention), one per completion, in order."""
+        payloads = self.payloads(prompts, completions, completion_ids, columns)
+        limit = asyncio.Semaphore(self.max_concurrent_requests)
+
+        async def post(payload):
+            async with limit:
+                return await self._post_with_retries(payload)
+
+        replies = await asyncio.gather(*(post(p) for p in payloads))
+        return [reward for reply in replies for reward in reply]
+
+    # ------------------------------------------------------------ the request
+    def payloads(self, prompts, completions, completion_ids=None, columns: dict | None = None) -> list[dict]:
+        """The JSON bodies for one call: consecutive slices of at most ``batch_size`` rows."""
+        columns = columns or {}
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"remote_reward({self.url}): {len(prompts)} prompts for {n} completions.")
+        wanted = ([self.label_key] if self.label_key is not None else []) + list(self.columns)
+        missing = [k for k in wanted if k not in columns]
+        if missing:
+            raise ValueError(
+                f"remote_reward({self.url}): dataset column(s) {missing} (label_key/columns) are not in the batch; "
+                f"its columns are {sorted(k for k in columns if k != 'trainer_state')}."
+            )
+        prompt_texts = [self._prompt_text(p) for p in prompts]
+        completion_texts = [_completion_text(c) for c in completions]
+        if self.tokenizer is not None and completion_ids is not None:
+            # OpenRLHF decodes the sampled ids with their special tokens (an RM trained on EOS reads it)
+            query_ends = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
+        else:
+            query_ends = completion_texts
+        rows = {
+            "query": [p + c for p, c in zip(prompt_texts, query_ends)],
+            "prompts": prompt_texts,
+            "labels": list(columns[self.label_key]) if self.label_key is not None else [""] * n,
+            "completions": completion_texts,
+            **{k: list(columns[k]) for k in self.columns},
+        }
+        return [{k: v[s:s + self.batch_size] for k, v in rows.items()} for s in range(0, n, self.batch_size)]
+
+    def _prompt_text(self, prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise ValueError(
+                f"remote_reward({self.url}): the prompts are conversational (message lists) and the service reads "
+                "text; pass `tokenizer=` (the policy's) so they are rendered with its chat template."
+            )
+        return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+
+    # ------------------------------------------------------------ the reply
+    async def _post_with_retries(self, payload: dict) -> list[float | None]:
+        try:
+            body = json.dumps(payload).encode()
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"remote_reward({self.url}): the request is not JSON-serializable ({err}); send only "
+                             "JSON-serializable dataset columns (`label_key`, `columns`).") from err
+        last = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
+                logger.warning("Remote reward %s: %s; retry %d of %d in %.2f s.", self.url, last, attempt,
+                               self.max_retries, delay)
+                await asyncio.sleep(delay)
+            try:
+                status, reason, reply = await asyncio.to_thread(
+                    post_json, self._parts, body, self.headers, self.timeout)
+            except TimeoutError:
+                last = f"no complete reply within timeout={self.timeout} s"
+                continue
+            except (OSError, http.client.HTTPException) as err:  # refused, reset, closed mid-reply
+                last = f"connection failed ({type(err).__name__}: {err})"
+                continue
+            if status in RETRY_STATUSES:
+                last = f"HTTP {status} {reason}: {_excerpt(reply)}"
+                continue
+            if not 200 <= status < 300:
+                raise RemoteRewardError(f"Remote reward {self.url} answered HTTP {status} {reason}: {_excerpt(reply)} "
+                                        "(not retried: the request itself was refused).")
+            return self.parse_reply(reply, len(payload["query"]))
+        raise RemoteRewardError(
+            f"Remote reward {self.url} failed {self.max_retries + 1} times (max_retries={self.max_retries}); last: "
+            f"{last}. Check the service, or raise `timeout`/`max_retries`."
+        )
+
+    def parse_reply(self, reply: bytes, expected: int) -> list[float | None]:
+        """The rewards of one reply, or a :class:`RemoteRewardError` naming the URL and the problem."""
+        try:
+            data = json.loads(reply)
+        except ValueError:
+            raise RemoteRewardError(f"Remote reward {self.url} replied with a body that is not JSON: "
+                                    f"{_excerpt(reply)}") from None
+        if not isinstance(data, dict) or self.score_key not in data:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise RemoteRewardError(f"Remote reward {self.url} replied without {self.score_key!r} (score_key); it "
+                                    f"sent {keys}.")
+        values = data[self.score_key]
+        if not isinstance(values, list) or len(values) != expected:
+            got = f"{len(values)} values" if isinstance(values, list) else repr(values)[:_EXCERPT]
+            raise RemoteRewardError(f"Remote reward {self.url} replied with {got} in {self.score_key!r} for "
+                                    f"{expected} completions; it must send one number per completion, in order.")
+        for i, v in enumerate(values):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise RemoteRewardError(f"Remote reward {self.url} replied {v!r} for completion {i} of the request; "
+                                        "each reward must be a number (or null where it does not apply).")
+        return [None if v is None else float(v) for v in values]
+
+
+def _completion_text(completion) -> str:
+    """A completion as the trainer passes it: text, or ``[{"role": "assistant", "content": text}]``."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion)
+
+
+def _excerpt(reply: bytes) -> str:
+    text = reply.decode("utf-8", errors="replace")
+    return repr(text[:_EXCERPT] + ("..." if len(text) > _EXCERPT else ""))
+
+
+def post_json(parts, body: bytes, headers: dict, timeout: float) -> tuple[int, str, bytes]:
+    """POST ``body`` as JSON; ``(status, reason, reply body)``.
+
+    ``timeout`` bounds the whole exchange (connect, send, every read), not each read alone:
+    a server that trickles bytes still times out. Raises ``TimeoutError`` when it runs out,
+    ``OSError``/``http.client.HTTPException`` when the connection fails or closes mid-reply.
+    No proxy is used (``http.client`` directly).
+    """
+    deadline = time.monotonic() + timeout
+    make = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = make(parts.hostname, parts.port, timeout=timeout)
+    try:
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        connection.request("POST", path, body=body,
+                           headers={"Content-Type": "application/json", "Accept": "application/json", **headers})
+        sock = connection.sock  # the reply is read from this socket even after `connection` lets go of it
+        sock.settimeout(_left(deadline))
+        response = connection.getresponse()
+        chunks, size = [], 0
+        while not response.isclosed():  # it closes itself once the whole body is read
+            sock.settimeout(_left(deadline))
+            chunk = response.read(65536)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > _MAX_REPLY_BYTES:
+                raise RemoteRewardError(f"Remote reward {parts.geturl()} sent a reply larger than {_MAX_REPLY_BYTES} "
+                                        "bytes; it must be one list of rewards.")
+            chunks.append(chunk)
+        if response.length:  # closed before Content-Length bytes came (read(amt) does not raise for it)
+            raise http.client.IncompleteRead(b"".join(chunks), response.length)
+        return response.status, response.reason, b"".join(chunks)
+    finally:
+        connection.close()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+def remote_reward(url: str, **kwargs) -> RemoteReward:
+    """An ``async`` reward function (GRPO's convention) that asks an HTTP service for rewards.
+
+    Args:
+        url: the service's endpoint, e.g. ``"http://127.0.0.1:5000/get_reward"`` (OpenRLHF's
+            ``serve_rm``).
+        tokenizer: the policy's tokenizer, optional. With it, conversational prompts are rendered
+            with its chat template (needed for them), and ``query`` ends with the completion ids
+            decoded *with* special tokens, exactly as OpenRLHF builds it; without it, ``query`` is
+            the prompt text followed by the completion text.
+        label_key: the dataset column sent as ``labels`` (OpenRLHF's ``--label_key``); default
+            None sends ``""`` per row.
+        columns: further dataset columns sent under their own names (JSON-serializable).
+        score_key: the reply's key holding the rewards (default ``"rewards"``).
+        batch_size: at most this many completions per request (default 64); order is kept.
+        max_concurrent_requests: requests of one call in flight at once (default 4).
+        timeout: seconds one attempt may take in all (default 60).
+        max_retries: further attempts after a timeout, a connection failure or HTTP 408/429/5xx
+            (default 3); ``backoff`` (default 1 s) doubles between them, up to ``max_backoff``
+            (default 30 s).
+        headers: extra HTTP headers (e.g. ``{"Authorization": "Bearer ..."}``).
+        name: the reward's name in the logs, ``rewards/<name>/mean`` (default ``"remote_reward"``).
+
+    Returns:
+        A :class:`RemoteReward`: ``await fn(prompts=..., completions=..., completion_ids=...,
+        **columns)`` gives one float (or None for a JSON null) per completion.
+
+    Example:
+        >>> fn = remote_reward("http://127.0.0.1:5000/get_reward", batch_size=16, timeout=30)
+        >>> fn.__name__
+        'remote_reward'
+        >>> fn.payloads(["1 + 1 = "], ["2"])
+        [{'query': ['1 + 1 = 2'], 'prompts': ['1 + 1 = '], 'labels': [''], 'completions': ['2']}]
+    """
+    return RemoteReward(url, **kwargs)
