@@ -42,7 +42,7 @@ def test_string_prompt_column_is_wrapped_as_a_user_turn(tok):
     # "<user> w0 w1 <eos> <assistant>" and "<user> w5 <eos> <assistant>"
     assert ids(out) == [[USER, W0, W1, EOS, ASSISTANT], [USER, W5, EOS, ASSISTANT]]
     assert out.column_names == ["prompt", "label", "input_ids"]  # every column kept, the ids added
-    assert out["prompt"] == ["w0 w1", "w5"] and out["label"] == [1, 2]
+    assert list(out["prompt"]) == ["w0 w1", "w5"] and list(out["label"]) == [1, 2]
     assert info == RenderInfo("prompt", conversational=False, used_chat_template=True,
                               max_prompt_tokens=None, num_prompts=2, num_empty=0, num_too_long=0)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.policy_value import scalar_head
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
@@ -105,7 +106,7 @@ def test_bf16_old_and_reference_logprobs_agree_exactly_when_the_models_do(make_t
     assert 0 < gap < 0.5, gap
 
 
-class OverflowOnce(__import__("trl_ppo_ext").PPOTrainer):
+class OverflowOnce(PPOTrainer):
     """Update 1's first micro-batch overflows, as an fp16 loss does (inf loss -> inf gradients)."""
 
     calls = 0

@@ -109,7 +109,7 @@ def render_prompts(
         >>> tok = build_tiny_tokenizer()  # <user>=4, <assistant>=5, <eos>=3, w0=6
         >>> ds = Dataset.from_dict({"prompt": ["w0 w1", ""], "answer": ["w1", "w0"]})
         >>> prompts, info = render_prompts(ds, tok)
-        >>> list(prompts["input_ids"]), prompts["answer"], info.num_empty
+        >>> list(prompts["input_ids"]), list(prompts["answer"]), info.num_empty
         ([[4, 6, 7, 3, 5]], ['w1'], 1)
     """
     column = _resolve_prompt_column(dataset, prompt_column)
