@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One CUDA GPU, at most ~8 minutes: the GPU tests, the memory benchmark (checkpointing off
+# One CUDA GPU, at most ~8 minutes: the GPU tests, real fp16 with an overflow, the memory benchmark (checkpointing off
 # and on, bf16; peak allocated, peak reserved and the CUDA context; the memory model beside
 # each set-up) and the throughput benchmark with synchronized timers.
 #
@@ -53,7 +53,13 @@ EOF
 nvidia-smi >> "$OUT/environment.log" 2>&1 || true
 
 # 1. GPU tests: offload round trips (fp32 and 4-bit), no memory left behind.
-step pytest_gpu 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider
+step pytest_gpu 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider -k "not fp16_overflow"
+
+# 1b. Real fp16 (accelerate's CUDA GradScaler) with an injected overflow (issue 23): the
+#     skipped step must leave the scaler consistent (no "unscale_() has already been called"
+#     on the next step) and halve the loss scale.
+step fp16_overflow 45 "$PY" -m pytest -q -m gpu -p no:cacheprovider -k fp16_overflow \
+    tests/test_trainer_precision.py
 
 # 2. Memory at 100M parameters (the CPU tables' shape) with longer sequences, bf16, all
 #    four set-ups; checkpointing off, then on.

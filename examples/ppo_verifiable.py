@@ -85,12 +85,12 @@ from verifiable_task import (  # noqa: E402
     completion_text,
     exact_answer,
     make_format_reward,
-    prompt_dataset,
     sft_warm_up,
     split_pairs,
 )
 
 from trl_ppo_ext import PPOConfig, PPOTrainer  # noqa: E402
+from trl_ppo_ext.data import render_prompts  # noqa: E402
 from trl_ppo_ext.manifest import package_versions, to_jsonable  # noqa: E402
 
 
@@ -184,6 +184,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[TaskArguments, PPOConfig]
             f"PPO none of the {pairs} pairs (--num_values={task_args.num_values}): lower them or raise --num_values."
         )
     return task_args, config
+
+
+def ppo_prompts(task, pairs) -> Dataset:
+    """PPO prompt rows as a user would bring them: ``prompt`` (the conversation) and ``answer``,
+    tokenised by ``trl_ppo_ext.data.render_prompts`` (chat template + generation prompt). Both
+    columns stay and reach the reward functions: ``exact_answer`` reads ``answer``, and the
+    conversational ``prompt`` makes completions arrive as messages, as in GRPO."""
+    rows = Dataset.from_dict({"prompt": [task.conversation(a, b) for a, b in pairs],
+                              "answer": [str(task.answer(a, b)) for a, b in pairs]})
+    prompts, _ = render_prompts(rows, task.tokenizer)
+    return prompts
 
 
 def reward_functions(task, config: PPOConfig, task_args: TaskArguments) -> list:
@@ -337,8 +348,8 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
 
     lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
                       target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
-    held_out = prompt_dataset(task, split.held_out)
-    train = prompt_dataset(task, ppo_pairs)
+    held_out = ppo_prompts(task, split.held_out)
+    train = ppo_prompts(task, ppo_pairs)
     trainer = PPOTrainer(args=config, processing_class=task.tokenizer, model=SharedActorCritic(model, lora_config=lora),
                          ref_model=None, reward_model=None, reward_funcs=reward_functions(task, config, task_args),
                          train_dataset=train, eval_dataset=held_out, value_model=None,

@@ -41,7 +41,8 @@ def test_string_prompt_column_is_wrapped_as_a_user_turn(tok):
     out, info = render_prompts(ds, tok)
     # "<user> w0 w1 <eos> <assistant>" and "<user> w5 <eos> <assistant>"
     assert ids(out) == [[USER, W0, W1, EOS, ASSISTANT], [USER, W5, EOS, ASSISTANT]]
-    assert out.column_names == ["input_ids"]
+    assert out.column_names == ["prompt", "label", "input_ids"]  # every column kept, the ids added
+    assert list(out["prompt"]) == ["w0 w1", "w5"] and list(out["label"]) == [1, 2]
     assert info == RenderInfo("prompt", conversational=False, used_chat_template=True,
                               max_prompt_tokens=None, num_prompts=2, num_empty=0, num_too_long=0)
 
@@ -71,7 +72,7 @@ def test_conversational_prompt_column(tok):
     ds = Dataset.from_dict({"prompt": [[user("w0")], [user("w1 w2")]], "chosen": ["x", "y"]})
     out, info = render_prompts(ds, tok)
     assert ids(out) == [[USER, W0, EOS, ASSISTANT], [USER, W1, W2, EOS, ASSISTANT]]
-    assert out.column_names == ["input_ids"]
+    assert out.column_names == ["prompt", "chosen", "input_ids"]
     assert info.prompt_column == "prompt" and info.conversational
 
 
@@ -186,3 +187,24 @@ def test_error_all_prompts_dropped(tok):
 def test_error_empty_dataset(tok):
     with pytest.raises(ValueError, match="0 rows"):
         render_prompts(Dataset.from_dict({"prompt": []}), tok)
+
+
+def test_other_columns_reach_reward_functions_row_aligned_and_messages_stay_messages(tok):
+    """Issue 23: render_prompts kept only input_ids, so a reward function asking for `answer`
+    failed (missing argument) and conversational prompts arrived as decoded text."""
+    from trl_ppo_ext.data import PromptCollator
+
+    ds = Dataset.from_dict({
+        "prompt": [[user("w0")], [user("")], [user("w1 w2")]],  # the middle row is empty: dropped
+        "answer": ["w0", "none", "w2"],
+        "input_ids": [[9, 9], [9], [9]],  # stale ids (another tokenizer): replaced
+        "attention_mask": [[1, 1], [1], [1]],
+    })
+    out, info = render_prompts(ds, tok)
+    assert info.num_empty == 1
+    assert out.column_names == ["prompt", "answer", "input_ids"]  # the stale mask is gone too
+    assert ids(out) == [[USER, W0, EOS, ASSISTANT], [USER, W1, W2, EOS, ASSISTANT]]
+    batch = PromptCollator(tok)([out[0], out[1]])
+    assert batch["answer"] == ["w0", "w2"]  # the rows kept, in order: answer still matches its prompt
+    assert batch["prompt"] == [[user("w0")], [user("w1 w2")]]  # messages, not text
+    assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]  # fresh, from the new ids

@@ -50,6 +50,18 @@ def test_prompt_ids_and_columns(task):
     assert build_task("min", 20).answer(3, 17) == 3
 
 
+def test_the_example_renders_its_prompts_with_render_prompts_into_the_task_rows(task):
+    """Issue 23: the example builds its PPO rows with trl_ppo_ext.data.render_prompts (prompt
+    and answer columns kept) and gets exactly the rows the task's own prompt_dataset writes, so
+    its reward functions receive `answer` and conversational prompts as before."""
+    import ppo_verifiable
+
+    pairs = [(3, 17), (17, 3), (5, 5)]
+    rendered, expected = ppo_verifiable.ppo_prompts(task, pairs), prompt_dataset(task, pairs)
+    assert sorted(rendered.column_names) == sorted(expected.column_names) == ["answer", "input_ids", "prompt"]
+    assert [rendered[i] for i in range(3)] == [expected[i] for i in range(3)]
+
+
 def test_pairs_are_split_without_overlap(task):
     split = split_pairs(task, num_sft=150, num_held_out=100, seed=0)
     sft, ppo, held = set(split.sft), set(split.ppo), set(split.held_out)

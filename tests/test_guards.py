@@ -419,3 +419,31 @@ def test_hard_guards_halt_whatever_guard_action_says():
 def test_bad_guard_action_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GuardSettings(**kwargs)
+
+
+def test_every_guard_field_that_takes_none_takes_it_on_the_command_line_too():
+    """Issue 23: `--nonfinite_halt_after None` failed in HfArgumentParser (int('None')). Every
+    GuardSettings field whose type admits None now parses 'None' to None, and numbers to numbers."""
+    import typing
+
+    from transformers import HfArgumentParser
+
+    from trl_ppo_ext import PPOConfig
+
+    hints = typing.get_type_hints(GuardSettings)
+    optional = [name for name, hint in hints.items() if type(None) in typing.get_args(hint)]
+    assert {"nonfinite_halt_after", "stale_halt_after", "kl_max", "max_clip_fraction", "min_explained_variance",
+            "reward_hacking_metric", "halt_guards"} <= set(optional)
+    parser = HfArgumentParser(PPOConfig)
+    argv = ["--output_dir", "unused"]
+    for name in optional:
+        argv += [f"--{name}", "None"]
+    (config,) = parser.parse_args_into_dataclasses(args=argv)
+    assert {name: getattr(config, name) for name in optional} == dict.fromkeys(optional)
+    assert {name: getattr(config.guard_settings(), name) for name in optional} == dict.fromkeys(optional)
+    (config,) = parser.parse_args_into_dataclasses(
+        args=["--output_dir", "unused", "--nonfinite_halt_after", "5", "--kl_max", "2.5", "--length_min", "3"])
+    assert (config.nonfinite_halt_after, config.kl_max, config.length_min) == (5, 2.5, 3.0)
+    assert type(config.nonfinite_halt_after) is int and type(config.length_min) is float
+    with pytest.raises(ValueError, match=r"nonfinite_halt_after must be an int or None, got 'three'"):
+        parser.parse_args_into_dataclasses(args=["--output_dir", "unused", "--nonfinite_halt_after", "three"])

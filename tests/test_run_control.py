@@ -276,3 +276,107 @@ def test_deepspeed_checkpoints_refuse_another_setup_by_name():
     plain = {"world_size": 2, "optimizer_format": "torch", "zero_stage": None}
     with pytest.raises(ValueError, match="written without DeepSpeed and this run runs under DeepSpeed ZeRO-2"):
         CheckpointMixin._check_resume_topology(run(2, 2), "ck", plain)
+
+
+# ------------------------------------------------------------------ issue 23
+def always_one(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+class AllTruncated(PPOTrainer):
+    """Every response counts as cut off at response_length (no stop token)."""
+
+    def generate_rollout(self, batch, temperature=None):
+        import dataclasses
+
+        sample = super().generate_rollout(batch, temperature)
+        return dataclasses.replace(sample, has_stop=torch.zeros_like(sample.has_stop))
+
+
+def test_objective_scores_are_logged_after_the_missing_eos_penalty(make_run):
+    """Constant reward 1, penalty 1, every response truncated: the score GAE trains on is
+    1 - 1 = 0.0, and that is `objective/scores` (TRL 1.12 logs the same) and what the
+    reward-hacking guard reads; the raw 1.0 keeps its own key."""
+    trainer = make_run(cls=AllTruncated, reward_model=None, reward_funcs=[always_one], missing_eos_penalty=1.0,
+                       reward_hacking_metric="eval/none", reward_hacking_window=4)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(h["val/eos_rate"] == 0.0 for h in logs)  # every response truncated
+    assert [h["objective/scores"] for h in logs] == [0.0, 0.0]
+    assert [h["objective/scores_before_penalty"] for h in logs] == [1.0, 1.0]
+    assert [score for _, score, _ in trainer.guards._history] == [0.0, 0.0]  # the guard saw the penalised one
+
+
+def test_adaptive_kl_stays_put_on_an_update_whose_every_step_was_skipped(make_run):
+    """NaN scores: every optimizer step of both updates is skipped, the policy never moves, so
+    the KL measured says nothing new: the coefficient stays 0.1. (Before: 0.1 * 0.92 after
+    update 1, as test_adaptive_kl_coefficient_moves_and_is_logged computes for a KL of 0.)"""
+    trainer = make_run(cls=NaNScores, adaptive_kl=True, kl_coef=0.1, kl_target=1e-6, kl_horizon=10,
+                       total_episodes=8, nonfinite_halt_after=None)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert [h["train/nonfinite_steps"] for h in logs] == [1.0, 2.0]
+    assert [h["objective/kl_coef"] for h in logs] == [0.1, 0.1] and trainer.kl_controller.value == 0.1
+
+
+def test_a_halt_is_announced_once(make_run, capsys, caplog):
+    import logging
+
+    trainer = make_run(cls=NaNScores, total_episodes=16, nonfinite_halt_after=1)
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
+        trainer.train()
+    assert trainer.state.halted_by == "nonfinite"
+    captured = capsys.readouterr()
+    said = captured.out + captured.err + "\n".join(r.getMessage() for r in caplog.records)
+    assert said.count("PPO run halted by guard") == 1
+
+
+def test_eval_kl_uses_the_configured_estimator(make_run, make_prompts):
+    """eval/kl is the mean over held-out prompts of sum_t k3(t) with k3 = exp(logr) - 1 - logr,
+    logr = log pi_ref - log pi, computed here from the same samples (same seed)."""
+    from trl_ppo_ext.checkpoint import isolated_rng
+    from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    trainer = make_run(tok, ref_model=build_tiny_causal_lm(tok, seed=7), kl_estimator="k3",
+                       eval_dataset=make_prompts(tok, n=5, seed=5), per_device_eval_batch_size=3)
+    logged = trainer.evaluate_heldout()["eval/kl"]
+    k1, k3 = [], []
+    with isolated_rng(seed=trainer.args.seed):
+        for batch in trainer.eval_dataloader:
+            r = trainer.score_rollout(trainer.generate_rollout(batch))
+            for row in range(r.batch_size):
+                m = r.response_mask[row]
+                logr = (r.ref_logprobs[row][m] - r.logprobs[row][m]).double()
+                k3.append(float(sum(torch.exp(x) - 1 - x for x in logr)))  # token by token
+                k1.append(float(-logr.sum()))
+    assert len(k3) == 5
+    assert logged == pytest.approx(sum(k3) / 5, rel=1e-6, abs=1e-9)
+    assert abs(sum(k1) / 5 - logged) > 1e-3  # the old k1 figure is another number
+
+
+class PicklePayload:
+    """Unpickling this runs ``open(path, "w")``: a file appears if it is ever loaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt"])
+def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(tmp_path, make_run, name):
+    trainer = make_run(total_episodes=4, save_strategy="steps", save_steps=1)
+    trainer.train()
+    ckpt = tmp_path / "out" / "checkpoint-1"
+    marker = tmp_path / "code_ran"
+    state = torch.load(ckpt / name, weights_only=True)
+    torch.save({**state, "extra": PicklePayload(marker)}, ckpt / name)
+    fresh = make_run(total_episodes=8, output_dir=str(tmp_path / "again"))
+    before = _params(fresh)
+    with pytest.raises(ValueError, match=rf"{name}.* holds pickled objects other than tensors .* not loaded "
+                                         r"\(weights_only=True\)"):
+        fresh.train(resume_from_checkpoint=str(ckpt))
+    assert not marker.exists(), "loading the checkpoint ran its pickled code"
+    assert all(torch.equal(v, _params(fresh)[k]) for k, v in before.items())

@@ -9,6 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.policy_value import scalar_head
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
@@ -103,3 +104,68 @@ def test_bf16_old_and_reference_logprobs_agree_exactly_when_the_models_do(make_t
         -1, rollout.valid_responses.unsqueeze(-1)).squeeze(-1)
     gap = (fp32[mask] - rollout.logprobs[mask]).abs().max().item()
     assert 0 < gap < 0.5, gap
+
+
+class OverflowOnce(PPOTrainer):
+    """Update 1's first micro-batch overflows, as an fp16 loss does (inf loss -> inf gradients)."""
+
+    calls = 0
+
+    def compute_loss_terms(self, mb, adv, num_tokens=None):
+        loss, stats = super().compute_loss_terms(mb, adv, num_tokens)
+        self.calls += 1
+        return (loss * float("inf") if self.calls == 1 else loss), stats
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None])
+def test_fp16_skipped_step_keeps_the_grad_scaler_consistent_and_backs_the_scale_off(make_trainer, monkeypatch,
+                                                                                   max_grad_norm):
+    """Issue 23. accelerate's fp16 path, driven on the CPU with torch's own GradScaler state
+    machine: backward scales the loss, clipping unscales, the optimizer wrapper's step runs
+    ``scaler.step`` + ``update``. A skipped step left the scaler 'unscaled' without ``update()``,
+    so the next step's unscale raised "unscale_() has already been called", and the scale never
+    shrank. Now: one overflow halves the scale (backoff 0.5), nothing else changes it (growth
+    needs 2000 good steps), and every other step is taken. The real-GPU run is in
+    benchmarks/gpu_check.sh."""
+    from contextlib import nullcontext
+
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    trainer = make_trainer(cls=OverflowOnce, num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=2,
+                           gradient_accumulation_steps=2, total_episodes=8, max_grad_norm=max_grad_norm)
+    acc = trainer.accelerator
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monkeypatch.setattr(acc, "scaler", scaler)
+    monkeypatch.setattr(acc, "native_amp", True)
+    monkeypatch.setattr(type(acc), "mixed_precision", property(lambda self: "fp16"))
+    monkeypatch.setattr(acc, "autocast", lambda *a, **k: nullcontext())  # CPU: fp32 compute, the scaler's logic
+    inner, taken = trainer.optimizer.optimizer, []
+    step = inner.step
+    inner.step = lambda *a, **k: (taken.append(1), step(*a, **k))[1]  # counts the steps the scaler lets through
+    trainer.optimizer = AcceleratedOptimizer(inner, device_placement=False, scaler=scaler)
+
+    trainer.train()  # before the fix: RuntimeError at update 1's second mini-batch
+
+    assert trainer.state.global_step == 2 and trainer.counters.nonfinite_steps == 1
+    assert scaler.get_scale() == 2.0**9  # 1024 * backoff 0.5, once
+    assert len(taken) == 2 * 2 * 2 - 1  # 2 updates x 2 epochs x 2 mini-batches, the overflowed one skipped
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    # the grad norm logged is the true (unscaled) one: finite and far below the 1024x scaled norm
+    assert all(0 < h["policy/grad_norm"] < 1e3 for h in logs[1:])
+
+
+@pytest.mark.gpu
+def test_fp16_overflow_on_cuda_skips_one_step_backs_the_scale_off_and_trains_on(make_trainer):
+    """The real thing (benchmarks/gpu_check.sh runs it): fp16=True, accelerate's own CUDA
+    GradScaler, one injected overflow. The run finishes, one step is skipped, the scale halves."""
+    trainer = make_trainer(cls=OverflowOnce, fp16=True, bf16=False, num_ppo_epochs=2, num_mini_batches=2,
+                           per_device_train_batch_size=2, gradient_accumulation_steps=2, total_episodes=8)
+    scaler = trainer.accelerator.scaler
+    assert scaler is not None and scaler.is_enabled(), "fp16 on CUDA should come with accelerate's GradScaler"
+    initial = scaler.get_scale()
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.counters.nonfinite_steps == 1
+    assert scaler.get_scale() == initial * scaler.get_backoff_factor()
+    now = dict(trainer.unwrapped.named_parameters())
+    assert any(not torch.equal(p, now[n]) for n, p in before.items()), "no step was taken after the overflow"

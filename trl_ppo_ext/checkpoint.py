@@ -11,7 +11,10 @@ keeps checkpoints written non-atomically by other code from being resumed half-w
 RNG state (:func:`capture_rng_state`/:func:`restore_rng_state`) covers Python ``random``,
 NumPy's global generator, torch's CPU generator and every CUDA device's generator. Its
 format holds only tensors, ints, floats, strings, lists, tuples and None, so it loads with
-``torch.load(..., weights_only=True)``.
+``torch.load(..., weights_only=True)``. :func:`isolated_rng` runs a block in its own streams:
+every random draw outside the training stream (completions table, held-out evaluation,
+callbacks after a save) goes through it, so a checkpoint's RNG state stays the one the
+training stream continues from.
 
 The folder helpers use only the standard library; torch and NumPy are imported inside the
 RNG functions, so tools (and the crash tests' subprocesses) can load this module cheaply.
@@ -304,6 +307,35 @@ def _restore_cuda_rng(cuda_states: list | None) -> None:
         )
     for device in range(min(saved, available)):
         torch.cuda.set_rng_state(cuda_states[device], device)
+
+
+@contextmanager
+def isolated_rng(seed: int | None = None) -> Iterator[None]:
+    """Random draws inside the block leave every global generator (Python, NumPy, torch CPU and
+    CUDA) as it was before it: the rule for anything outside the training stream (completions
+    table, held-out evaluation, callbacks), whose draws would otherwise shift the stream that a
+    checkpoint captured and break exact resume.
+
+    ``seed``: torch (CPU and CUDA) is seeded with it inside the block, so the block's own draws
+    are reproducible whatever the training stream did before; None: they continue from it.
+
+    Example:
+        >>> import torch
+        >>> before = torch.get_rng_state()
+        >>> with isolated_rng(seed=0):
+        ...     _ = torch.rand(3)
+        >>> torch.equal(before, torch.get_rng_state())
+        True
+    """
+    import torch
+
+    state = capture_rng_state()
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
+    finally:
+        restore_rng_state(state)
 
 
 def rng_state_filename(process_index: int = 0) -> str:

@@ -94,9 +94,11 @@ def render_prompts(
         num_proc: processes for ``Dataset.map``.
 
     Returns:
-        ``(prompts, info)``: a ``Dataset`` with one column, ``input_ids`` (a list of
-        ints per row), in the input order minus dropped rows; and a ``RenderInfo`` with
-        the counts. A warning is logged when any row is dropped.
+        ``(prompts, info)``: the dataset with an ``input_ids`` column (a list of ints per
+        row; an existing ``input_ids``/``attention_mask`` is replaced) and every other column
+        unchanged -- the prompt column too, so a conversation reaches reward functions as
+        messages -- in the input order minus dropped rows; and a ``RenderInfo`` with the
+        counts. A warning is logged when any row is dropped.
 
     Raises:
         ValueError: no usable prompt column; conversations without a chat template;
@@ -105,10 +107,10 @@ def render_prompts(
     Example:
         >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
         >>> tok = build_tiny_tokenizer()  # <user>=4, <assistant>=5, <eos>=3, w0=6
-        >>> ds = Dataset.from_dict({"prompt": ["w0 w1", ""]})
+        >>> ds = Dataset.from_dict({"prompt": ["w0 w1", ""], "answer": ["w1", "w0"]})
         >>> prompts, info = render_prompts(ds, tok)
-        >>> list(prompts["input_ids"]), info.num_empty
-        ([[4, 6, 7, 3, 5]], 1)
+        >>> list(prompts["input_ids"]), list(prompts["answer"]), info.num_empty
+        ([[4, 6, 7, 3, 5]], ['w1'], 1)
     """
     column = _resolve_prompt_column(dataset, prompt_column)
     if len(dataset) == 0:
@@ -129,7 +131,9 @@ def render_prompts(
     encoded = dataset.map(
         _encode_row,
         fn_kwargs={"tokenizer": tokenizer, "column": column, "templated": templated},
-        remove_columns=dataset.column_names,
+        # Every other column stays as it is (the prompt's messages, an `answer`, ...): the
+        # collator hands them to reward functions. Old token columns would not match the new ids.
+        remove_columns=[c for c in PromptCollator.TOKEN_KEYS if c in dataset.column_names],
         num_proc=num_proc,
         desc="Rendering prompts",
     )

@@ -47,6 +47,13 @@ KEY_LENGTH = "val/response_length"
 KEY_CLIP_FRACTION = "policy/clipfrac_avg"
 KEY_SCORE = "objective/scores"
 
+# Thresholds that None turns off, with their type: on the command line they arrive as text.
+OPTIONAL_THRESHOLDS = {
+    "nonfinite_halt_after": int, "stale_halt_after": int, "max_value_loss": float, "min_explained_variance": float,
+    "kl_min": float, "kl_max": float, "entropy_min": float, "entropy_max": float, "length_min": float,
+    "length_max": float, "max_clip_fraction": float,
+}
+
 # Guard names, in the order they take precedence when several fire at the same update.
 GUARD_NAMES = (
     "nonfinite", "value_divergence", "kl_range", "entropy_range", "length_range",
@@ -82,14 +89,14 @@ class GuardSettings:
         "Updates before the heuristic guards start counting. Default 10: a fresh critic (random head, or "
         "initialised from the reward model) has not fitted the returns yet, and its first updates say nothing "
         "about divergence."))
-    nonfinite_halt_after: int | None = field(default=3, metadata=_help(
+    nonfinite_halt_after: int | str | None = field(default=3, metadata=_help(
         "Halt after this many consecutive optimizer steps skipped for a NaN/inf loss or gradient norm. "
         "Default 3: one skipped step can be a transient fp16 overflow; three in a row means the weights, "
         "the reward or the learning rate are broken and every further step is wasted compute."))
-    max_value_loss: float | None = field(default=None, metadata=_help(
+    max_value_loss: float | str | None = field(default=None, metadata=_help(
         "Value divergence: `loss/value_avg` above this (for value_patience updates) fires. Default off: "
         "the value loss scales with the square of the reward scale, so no bound is portable."))
-    min_explained_variance: float | None = field(default=-1.0, metadata=_help(
+    min_explained_variance: float | str | None = field(default=-1.0, metadata=_help(
         "Value divergence: `val/explained_variance` below this (for value_patience updates, with the value "
         "loss not falling over them) fires. Default -1.0: below it the critic's error variance is more than twice "
         "the returns' variance, so its "
@@ -97,31 +104,31 @@ class GuardSettings:
     value_patience: int = field(default=10, metadata=_help(
         "Consecutive updates the value bounds must be violated before the guard fires. Default 10: a fresh "
         "critic (random head, or initialised from the reward model) needs a few updates to fit the returns."))
-    kl_min: float | None = field(default=None, metadata=_help(
+    kl_min: float | str | None = field(default=None, metadata=_help(
         "Lower bound of `objective/kl` (per-sequence KL to the reference, nats). Default off."))
-    kl_max: float | None = field(default=None, metadata=_help(
+    kl_max: float | str | None = field(default=None, metadata=_help(
         "Upper bound of `objective/kl`. Default off: the per-sequence KL grows with the response length and "
         "with a smaller kl_coef, so a healthy value for one run is a blow-up for another. A few times the "
         "adaptive controller's target is a reasonable setting."))
-    entropy_min: float | None = field(default=None, metadata=_help(
+    entropy_min: float | str | None = field(default=None, metadata=_help(
         "Lower bound of `policy/entropy_avg` (mean per-token entropy, nats); catches collapse to "
         "deterministic text. Default off: healthy entropy depends on the model and the temperature."))
-    entropy_max: float | None = field(default=None, metadata=_help(
+    entropy_max: float | str | None = field(default=None, metadata=_help(
         "Upper bound of `policy/entropy_avg`; catches degeneration into noise. Default off."))
-    length_min: float | None = field(default=None, metadata=_help(
+    length_min: float | str | None = field(default=None, metadata=_help(
         "Lower bound of `val/response_length` (mean response tokens). Default off: task dependent."))
-    length_max: float | None = field(default=None, metadata=_help(
+    length_max: float | str | None = field(default=None, metadata=_help(
         "Upper bound of `val/response_length`. Default off: task dependent (and capped by response_length)."))
     range_patience: int = field(default=3, metadata=_help(
         "Consecutive updates KL, entropy or length must be out of range before their guard fires. Default "
         "3: these are single-batch means, and one unlucky batch should not stop a run."))
-    max_clip_fraction: float | None = field(default=0.5, metadata=_help(
+    max_clip_fraction: float | str | None = field(default=0.5, metadata=_help(
         "Halt when `policy/clipfrac_avg` stays above this for clip_patience updates. Default 0.5: healthy "
         "PPO clips 0-0.3 of tokens; when most tokens sit outside the trust region every update, the update is "
         "too aggressive (learning rate, epochs) for the clipped objective to mean anything."))
     clip_patience: int = field(default=10, metadata=_help(
         "Consecutive updates above max_clip_fraction before the guard fires. Default 10 (as value_patience)."))
-    stale_halt_after: int | None = field(default=5, metadata=_help(
+    stale_halt_after: int | str | None = field(default=5, metadata=_help(
         "Halt when this many consecutive rollouts were discarded as older than max_rollout_age. Default 5: "
         "each discard wastes a generation pass, and five in a row mean the age limit cannot be met by the "
         "schedule, so the trainer would otherwise regenerate forever. Inert when max_rollout_age is unset."))
@@ -142,6 +149,7 @@ class GuardSettings:
         "reward_hacking_metric_mode) by more than this. Default 0.0 (any improvement)."))
 
     def __post_init__(self) -> None:
+        self._read_command_line_values()
         if self.guard_action not in ("warn", "halt"):
             raise ValueError(f"GuardSettings.guard_action must be 'warn' or 'halt', got {self.guard_action!r}.")
         if isinstance(self.halt_guards, str):
@@ -170,6 +178,29 @@ class GuardSettings:
                 f"{self.max_clip_fraction}; use None to turn the clip-fraction guard off."
             )
         self._check_reward_hacking()
+
+    def _read_command_line_values(self) -> None:
+        """Values as the command line gives them, made what they are in Python: ``"None"`` ->
+        None (argparse cannot produce None, so the optional thresholds are typed ``... | str``,
+        which makes ``HfArgumentParser`` hand over the text) and a number's text -> the number."""
+        if self.halt_guards is not None and [str(g).lower() for g in self.halt_guards] == ["none"]:
+            self.halt_guards = None
+        if isinstance(self.reward_hacking_metric, str) and self.reward_hacking_metric.lower() == "none":
+            self.reward_hacking_metric = None
+        for name, kind in OPTIONAL_THRESHOLDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                continue
+            if value.strip().lower() == "none":
+                setattr(self, name, None)
+                continue
+            try:
+                setattr(self, name, kind(value))
+            except ValueError:
+                raise ValueError(
+                    f"GuardSettings.{name} must be {'an int' if kind is int else 'a number'} or None, got {value!r}; "
+                    f"e.g. --{name} None turns the guard off."
+                ) from None
 
     def _check_reward_hacking(self) -> None:
         window = self.reward_hacking_window

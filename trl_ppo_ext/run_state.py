@@ -32,7 +32,9 @@ import dataclasses
 import logging
 import math
 import os
+import pickle
 import random
+import re
 
 import torch
 
@@ -80,6 +82,33 @@ class RunCounters:
         self.stale_discarded = int(counters["stale_discarded"])
         self.nonfinite_steps = int(counters["nonfinite_steps"])
         self.rollout_age = int(counters.get("rollout_age", 0))
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled objects beyond tensors and plain data; it was not loaded."""
+
+
+def load_checkpoint_file(path: str, name: str):
+    """``torch.load`` of one file of a checkpoint with ``weights_only=True``: tensors, numbers,
+    strings and containers of them (all that the trainer's optimizer, scheduler and weights
+    states hold), never an arbitrary pickled object, whose loading could run any code.
+
+    Raises:
+        UnsafeCheckpointError: the file holds other objects (nothing in it was run).
+    """
+    file = os.path.join(path, name)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found is None:  # not a refused object but a damaged file: the caller says so, in one line
+            detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+            raise pickle.UnpicklingError(f"{name}: {detail.group(1) if detail else str(err).splitlines()[0]}") from None
+        raise UnsafeCheckpointError(
+            f"Checkpoint file {file!r} holds pickled objects other than tensors and plain data (here "
+            f"{found.group(1)}), which trl_ppo_ext never writes; it was not loaded (weights_only=True), as loading it "
+            "could run arbitrary code. Resume only from checkpoints written by trl_ppo_ext that you trust."
+        ) from None
 
 
 def _setup_name(optimizer_format: str, stage: int | None) -> str:
@@ -183,11 +212,13 @@ class CheckpointMixin:
         in ``_restore_rng``, right before the first resumed update)."""
         try:
             ppo_state = ckpt.load_json(os.path.join(path, PPO_STATE))
-            trainable = torch.load(os.path.join(path, TRAINABLE_STATE), map_location="cpu", weights_only=True)
+            trainable = load_checkpoint_file(path, TRAINABLE_STATE)
             optimizer_state = None
             if ppo_state.get("optimizer_format", "torch") == "torch":
-                optimizer_state = torch.load(os.path.join(path, OPTIMIZER), map_location="cpu", weights_only=False)
-            scheduler_state = torch.load(os.path.join(path, SCHEDULER), map_location="cpu", weights_only=False)
+                optimizer_state = load_checkpoint_file(path, OPTIMIZER)
+            scheduler_state = load_checkpoint_file(path, SCHEDULER)
+        except UnsafeCheckpointError:
+            raise
         except Exception as err:  # torch/pickle/json raise many kinds for a damaged file
             raise ValueError(
                 f"Checkpoint {path!r} could not be read ({type(err).__name__}: {err}). It is damaged or was not "

@@ -302,6 +302,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
         self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
         self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
+        self._applied_steps = 0  # optimizer steps taken (not skipped) by this trainer object
 
     # ------------------------------------------------------------------ set-up
     def _check_inputs(self, model, ref_model, train_dataset, processing_class) -> None:
@@ -691,7 +692,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             advantages = self.compute_advantages(rollout)
         else:  # the update a preempted run stopped in: its rollout, continued where it stopped
             rollout, advantages = self._resumed_rollout()
+        applied, skipped = self._applied_steps, self.counters.nonfinite_steps
         update_stats, decision = self.ppo_update(rollout, advantages, update)
+        all_skipped = self._applied_steps == applied and self.counters.nonfinite_steps > skipped
         metrics = self.update_metrics(rollout, advantages, update_stats)
         if self._evaluation_due(update):
             metrics.update(self.evaluate_heldout())
@@ -701,7 +704,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 logger.warning(warning)
         metrics.update({k: float(v) for k, v in decision.figures.items()})  # keys are "guard/<name>"
         metrics["objective/kl_coef"] = self.kl_controller.value
-        self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
+        if not all_skipped:  # the policy did not move: the KL seen says nothing about the coefficient
+            self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
         self.log_update(metrics)
         if not decision.halt:
             self._end_update(update)
@@ -1017,14 +1021,32 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             if self.is_deepspeed_enabled and not self.optimizer.step_was_skipped:
                 logger.warning("Update %d: DeepSpeed applied a step whose loss was not finite (its gradients "
                                "were finite); it is counted as skipped.", update)
+            self._skip_scaler_step()
             self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
             self.counters.nonfinite_steps += 1
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
             return self.guards.nonfinite_step(update)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self._applied_steps += 1
         self.guards.finite_step()
         return GuardDecision.keep_going({})
+
+    def _skip_scaler_step(self) -> None:
+        """fp16 loss scaling: close the skipped step as ``GradScaler.step`` + ``update`` would.
+
+        ``_clip_gradients`` unscaled this step's gradients; until ``update()`` the scaler
+        refuses a second ``unscale_`` (the next step crashed) and its scale never shrank. An
+        overflow (inf/NaN gradient, recorded by the unscale) backs the scale off; a non-finite
+        loss whose gradients were finite backs it off too, as it is the same kind of event.
+        """
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or self.is_deepspeed_enabled or not scaler.is_enabled():
+            return
+        if _scaler_found_inf(scaler, self.optimizer):
+            scaler.update()
+        else:
+            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
 
     def _clip_gradients(self) -> torch.Tensor:
         """Clip at ``max_grad_norm`` (when set) and return the gradient norm before clipping.
@@ -1038,8 +1060,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             return torch.tensor(value, dtype=torch.float32, device=self.accelerator.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
+            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)  # unscales fp16 grads first
         else:
+            self.accelerator.unscale_gradients()  # fp16: the norm of the true gradient (a no-op otherwise)
             norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad.detach()) for p in params if p.grad is not None])
             )
@@ -1087,7 +1110,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         mask = rollout.response_mask
         lengths = mask.sum(1).float()
         local = {
-            "objective/scores": rollout.scores.mean(),
+            "objective/scores": adv.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
+            "objective/scores_before_penalty": rollout.scores.mean(),
             "objective/non_score_reward": adv.non_score_rewards.sum(1).mean(),
             "objective/rlhf_reward": adv.rewards.sum(1).mean(),
             "objective/kl": adv.kl.sum(1).mean(),
@@ -1149,11 +1173,16 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
     def _end_update(self, update: int) -> None:
         self.lr_scheduler.step()
         self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
-        if self.control.should_save:
+        saved = self.control.should_save
+        if saved:
             self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        if self.args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
-            self.generate_completions(sampling=True)
+        # The checkpoint holds the RNG state as of now: what runs after it (callbacks, the
+        # completions table) draws in its own stream, or a resumed run would sample differently.
+        with ckpt.isolated_rng():
+            if saved:
+                self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            if self.args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.generate_completions(sampling=True)
 
     def _halt(self, decision: GuardDecision) -> None:
         """A guard fired: no further optimizer step; checkpoint the current state next to (never
@@ -1166,7 +1195,6 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             self._save_checkpoint(self.model, folder_name=name)
         if self.accelerator.is_main_process:  # every process took the same decision on gathered metrics
             logger.warning("PPO run halted by guard %r: %s", decision.guard, decision.message)
-        self.accelerator.print(f"PPO run halted by guard {decision.guard!r}: {decision.message}")
 
     def _evaluation_due(self, update: int) -> bool:
         strategy = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy))
@@ -1176,7 +1204,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
     @torch.no_grad()
     def evaluate_heldout(self) -> dict[str, float]:
         """Sample completions for ``eval_dataset`` with a fixed seed (training RNG untouched) and
-        compute ``eval/rm_score``, ``eval/response_length``, ``eval/kl`` and each user metric
+        compute ``eval/rm_score``, ``eval/response_length``, ``eval/kl`` (the configured
+        ``kl_estimator``, summed over each response) and each user metric
         ``eval/<name>`` from ``eval_metrics`` callables ``(prompts, completions) -> list[float]``
         (prompts decoded without special tokens; completions with them, e.g. a final EOS).
 
@@ -1185,15 +1214,14 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """
         tok = self.processing_class
         columns = defaultdict(list)  # name -> per-batch (b,) tensors, gathered over processes
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.args.seed)
+        with ckpt.isolated_rng(seed=self.args.seed):
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
                 row = {
                     "eval/rm_score": r.scores,
                     "eval/response_length": r.response_mask.sum(1),
-                    "eval/kl": (r.logprobs - r.ref_logprobs).sum(1),
+                    "eval/kl": F.kl_penalty(r.logprobs, r.ref_logprobs, self.args.kl_estimator)
+                    .masked_fill(~r.response_mask, 0.0).sum(1),
                 }
                 for k, reward in enumerate(self.rewards if r.reward_values is not None else []):
                     # NaN where it does not apply (nanmean below); a lone RM is eval/rm_score already
@@ -1263,10 +1291,18 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """Sample completions for ``eval_dataset`` at low temperature, score them, print a table.
 
         Returns a ``pandas.DataFrame`` with ``query``, ``model response`` and ``score`` columns
-        (gathered from every process), or None without an eval dataset.
+        (gathered from every process), or None without an eval dataset. Draws in its own RNG
+        stream (seeded by the process's seed and the step): the training stream is untouched.
         """
         if self.eval_dataloader is None:
             return None
+        with ckpt.isolated_rng(seed=self.local_seed + self.state.global_step):
+            df = self._completions_table(sampling)
+        if self.accelerator.is_main_process:
+            self._show_completions(df)
+        return df
+
+    def _completions_table(self, sampling: bool):
         import pandas as pd
 
         tok = self.processing_class
@@ -1284,10 +1320,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             table["score"].extend(gather(scores).float().cpu().tolist())
             if sampling:
                 break
-        df = pd.DataFrame(table)
-        if self.accelerator.is_main_process:
-            self._show_completions(df)
-        return df
+        return pd.DataFrame(table)
 
     def _show_completions(self, df) -> None:
         head = df.iloc[:5]
@@ -1310,6 +1343,15 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 wandb.log({"completions": wandb.Table(dataframe=df)})
 
 
+
+
+def _scaler_found_inf(scaler, optimizer) -> bool:
+    """Whether ``scaler.unscale_`` found an inf/NaN gradient of ``optimizer`` since the last
+    ``update()`` (the record ``GradScaler.step`` reads to decide to skip)."""
+    while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
+        optimizer = optimizer.optimizer
+    state = scaler._per_optimizer_states.get(id(optimizer), {})
+    return any(bool(v.item()) for v in state.get("found_inf_per_device", {}).values())
 
 
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
