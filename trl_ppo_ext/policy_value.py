@@ -199,6 +199,12 @@ def checkpointing_unsupported_reason(model: nn.Module) -> str | None:
 _WARNED: weakref.WeakSet = weakref.WeakSet()
 
 
+def _is_main_process() -> bool:
+    """Rank 0, or no process group: one warning per run, not one per process."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def enable_checkpointing(model: nn.Module, checkpointing_kwargs: dict | None = None, role: str = "model") -> bool:
     """Turn on activation checkpointing of a ``transformers`` model (or a peft model around one)
     under the name its version has (``activation_checkpointing_enable`` from transformers 5).
@@ -206,7 +212,8 @@ def enable_checkpointing(model: nn.Module, checkpointing_kwargs: dict | None = N
     A model that cannot checkpoint (a custom ``PreTrainedModel`` without
     ``supports_gradient_checkpointing``, a plain ``nn.Module``) is left as it is and trains
     without checkpointing, as under TRL's PPO trainer: one warning names it and its ``role``
-    (e.g. ``"value model"``) the first time, later calls skip it silently.
+    (e.g. ``"value model"``) the first time, on the main process only; later calls skip it
+    silently.
 
     Returns:
         Whether checkpointing is on for ``model`` now.
@@ -215,12 +222,13 @@ def enable_checkpointing(model: nn.Module, checkpointing_kwargs: dict | None = N
     if reason is not None:
         if model not in _WARNED:
             _WARNED.add(model)
-            logger.warning(
-                "gradient_checkpointing=True is not applied to the %s (%s): %s. It trains without activation "
-                "checkpointing (more activation memory); set supports_gradient_checkpointing = True on the class "
-                "if its layers can checkpoint, or gradient_checkpointing=False to silence this.",
-                role, type(_transformers_model(model)).__name__, reason,
-            )
+            if _is_main_process():
+                logger.warning(
+                    "gradient_checkpointing=True is not applied to the %s (%s): %s. It trains without activation "
+                    "checkpointing (more activation memory); set supports_gradient_checkpointing = True on the "
+                    "class if its layers can checkpoint, or gradient_checkpointing=False to silence this.",
+                    role, type(_transformers_model(model)).__name__, reason,
+                )
         return False
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(checkpointing_kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,7 +232,8 @@ def ppo_config(config_cls, out: Path, **overrides):
     """TRL's default PPOConfig, shrunk only in size: 2 updates of 4 episodes, short responses,
     nothing written but what save_model writes. bf16 (the default) only where the platform has it."""
     kwargs = dict(
-        output_dir=str(out), per_device_train_batch_size=BATCH, total_episodes=UPDATES * BATCH,
+        output_dir=str(out), per_device_train_batch_size=BATCH,
+        total_episodes=UPDATES * BATCH * int(os.environ.get("WORLD_SIZE", "1")),
         local_rollout_forward_batch_size=BATCH, response_length=6, num_sample_generations=0,
         report_to=[], save_strategy="no", disable_tqdm=True,
         # accelerate's CPU path, except under DeepSpeed (which picks its own device)
@@ -254,6 +256,7 @@ class Outcome:
     policy_checkpointing: bool = False  # after training: checkpointing on in the policy's layers
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
+    trace: str = ""  # the innermost frames of the error
 
     @property
     def passed(self) -> bool:
@@ -278,6 +281,17 @@ def _reload_policy(saved: Path, setup: Setup, tok) -> nn.Module:
 
         return PeftModel.from_pretrained(causal_lm(setup.policy, tok, seed=0), saved)
     return AutoModelForCausalLM.from_pretrained(saved)
+
+
+def _gathered(model: nn.Module, trainer):
+    """The full weights of ``model`` inside the block under DeepSpeed ZeRO-3; a no-op otherwise."""
+    import contextlib
+
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
 def run(which: str, setup_name: str, variation: str, root: Path) -> Outcome:
@@ -320,12 +334,14 @@ def run(which: str, setup_name: str, variation: str, root: Path) -> Outcome:
         trainer.save_model(str(saved))
         reloaded = _reload_policy(saved, setup, tok).eval()
         ids = torch.tensor([[7, 8, 9, 10]])
-        with torch.no_grad():
+        # ZeRO-3 shards the trained weights, and from_pretrained shards the reloaded ones
+        with torch.no_grad(), _gathered(trained, trainer), _gathered(reloaded, trainer):
             expected = trained.eval()(input_ids=ids).logits.float()
             got = reloaded(input_ids=ids).logits.float()
         outcome.reload_matches = torch.allclose(expected, got, rtol=0, atol=1e-5)
     except Exception as err:  # a row records its failure; the test asserts on it
         outcome.error = f"{type(err).__name__}: {err}"
+        outcome.trace = traceback.format_exc(limit=-4)
     finally:
         logging.getLogger("trl_ppo_ext").removeHandler(handler)
     outcome.warnings = [r.getMessage() for r in records]
@@ -371,6 +387,8 @@ def main(argv: list[str]) -> int:
           f"error={outcome.error}")
     for message in outcome.warnings:
         print(f"  warning: {message}")
+    if outcome.error is not None:
+        print(outcome.trace)
     return 0 if outcome.passed else 1
 
 
