@@ -109,6 +109,23 @@ def test_a_policy_that_cannot_checkpoint_is_named_as_the_policy(tok, caplog):
     assert len(warned) == 1 and "policy (NoSupportLM)" in warned[0]
 
 
+def test_a_shared_actor_critic_on_a_base_that_cannot_checkpoint_warns_instead_of_raising(tok, caplog):
+    from peft import LoraConfig
+
+    from trl_ppo_ext.modeling import SharedActorCritic
+
+    class NoSupportLM(type(build_tiny_causal_lm(tok))):
+        supports_gradient_checkpointing = False
+
+    model = SharedActorCritic(NoSupportLM(family_config("llama", tok)),
+                              lora_config=LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        model.gradient_checkpointing_enable()
+    assert not model.is_gradient_checkpointing
+    warned = _checkpointing_warnings(r.getMessage() for r in caplog.records)
+    assert len(warned) == 1 and "shared actor-critic backbone (NoSupportLM)" in warned[0]
+
+
 def test_trls_generation_context_re_enables_without_raising_or_warning_again(tok, caplog):
     """TRL's ``unwrap_model_for_generation`` switches checkpointing off for ``generate`` and back
     on at exit, without kwargs: this raised on a custom critic (the issue's crash). Now the

@@ -285,7 +285,7 @@ class SharedActorCritic(nn.Module):
         if self.value_adapter is not None:
             raise ValueError(self._checkpointing_refusal())
         kwargs = remembered_checkpointing_kwargs(self, gradient_checkpointing_kwargs)
-        enable_checkpointing(self.policy.get_base_model(), kwargs, role="policy (shared actor-critic backbone)")
+        enable_checkpointing(self.policy.get_base_model(), kwargs, role="shared actor-critic backbone")
 
     def gradient_checkpointing_disable(self) -> None:
         """Disable activation checkpointing on the base."""
