@@ -17,6 +17,7 @@ each run their own engine with vLLM's ``external_launcher`` (as TRL GRPO does). 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,8 @@ from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy
 logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The LoRA ranks vLLM 0.32 accepts for max_lora_rank; an adapter's rank is rounded up to one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _warned: set[str] = set()
 
 
@@ -49,6 +52,34 @@ def resolve_sleep_mode(requested: bool, available: bool) -> bool:
         warn_once("sleep_mode", "vllm_enable_sleep_mode=True is ignored: vLLM has no sleep mode on this platform "
                   "(CUDA, ROCm and XPU only). The engine keeps its weights and KV cache while the model trains.")
     return requested and available
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}).")
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Restore Python's, NumPy's and torch's (CPU and CUDA) global RNG states on exit: building a
+    vLLM engine in-process reseeds them, which would change every later draw of the run."""
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
 
 
 def model_dtype(model: nn.Module) -> str:
@@ -124,14 +155,15 @@ class VLLMColocateEngine(GenerationEngine):
             logprobs_mode="processed_logprobs",  # log-probs after the temperature, as the trainer's
         )
         if self.sync_mode == "adapter":
-            rank = max_lora_rank or int(policy.peft_config[self.adapter].r)
+            rank = engine_lora_rank(max_lora_rank or int(policy.peft_config[self.adapter].r))
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         kwargs.update(self._distributed_kwargs(tensor_parallel_size, seed))
         kwargs.update(engine_kwargs or {})
         from vllm import LLM
 
         try:
-            self.llm = LLM(**kwargs)
+            with preserved_rng():  # vLLM seeds the global RNGs of the process it runs in
+                self.llm = LLM(**kwargs)
         except Exception as err:
             raise RuntimeError(
                 f"vLLM could not load the policy from {source!r} (dtype={dtype}): {err}. The engine needs a model "
@@ -231,8 +263,9 @@ class VLLMColocateEngine(GenerationEngine):
             ignore_eos=True,  # only the rollout's stop ids end a response, as in the transformers path
             logprobs=0, seed=seed, detokenize=False,
         ) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
-                                    use_tqdm=False, lora_request=self._lora_request)
+        with preserved_rng():  # the samples come from the seeded requests; the run's RNG stays as it was
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
+                                        use_tqdm=False, lora_request=self._lora_request)
         completion_ids, logprobs = [], []
         for request in outputs:
             sample = request.outputs[0]
@@ -257,5 +290,6 @@ class VLLMColocateEngine(GenerationEngine):
             self._asleep, self._weights_awake = False, True
 
     def close(self) -> None:
+        """Drop the engine and its temporary files (the model copy, adapter versions)."""
         shutil.rmtree(self._workdir, ignore_errors=True)
         self.llm = None
