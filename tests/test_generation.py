@@ -22,6 +22,7 @@ from trl_ppo_ext.generation.mismatch import (
     importance_sampling_stats,
     importance_sampling_weights,
     logp_difference_stats,
+    sampling_correction,
 )
 from trl_ppo_ext.generation.weights import (
     adapter_sync_refusal,
@@ -193,6 +194,23 @@ def test_importance_sampling_stats_by_hand():
     assert [v.item() for v in stats.values()] == pytest.approx([0.8, 1.1, 1.4])
     assert list(stats) == ["sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                            "sampling/importance_sampling_ratio/max"]
+
+
+def test_sampling_correction_gives_weights_and_stats_only_when_asked():
+    weights, stats = sampling_correction(OLD, ENGINE, MASK, correction=False)
+    assert weights is None
+    assert list(stats) == ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"]
+    assert stats["sampling/sampling_logp_difference/max"].item() == pytest.approx(0.5, abs=1e-6)
+    weights, stats = sampling_correction(OLD, ENGINE, MASK, correction=True, mode="token_truncate", clip_max=1.2)
+    # the by-hand weights of test_token_truncate_by_hand; stats over counted tokens:
+    # e^0.1 = 1.10517, e^-0.3 = 0.74082, 1.0, 1.2, 1.0 -> min 0.74082, mean 5.04599 / 5, max 1.2
+    torch.testing.assert_close(weights, torch.tensor([[math.exp(0.1), math.exp(-0.3), 1.0], [1.2, 1.0, 1.0]]),
+                               rtol=0, atol=1e-6)
+    assert stats["sampling/importance_sampling_ratio/min"].item() == pytest.approx(math.exp(-0.3), abs=1e-6)
+    assert stats["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(
+        (math.exp(0.1) + math.exp(-0.3) + 1.0 + 1.2 + 1.0) / 5, abs=1e-6)
+    assert stats["sampling/importance_sampling_ratio/max"].item() == pytest.approx(1.2, abs=1e-6)
+    assert stats["sampling/sampling_logp_difference/mean"].item() == pytest.approx(0.9 / 5, abs=1e-6)
 
 
 # ---------------------------------------------------------------- the interface's helpers

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from trl_ppo_ext.generation import VLLMArguments, build_vllm_engine, sample_responses
 from trl_ppo_ext.generation.base import SamplingSettings, request_seeds
 from trl_ppo_ext.generation.vllm_server import ServerError, VLLMServerEngine
 
@@ -134,3 +135,21 @@ def test_pushing_weights_without_cuda_says_what_to_do(fake_server):
     with pytest.raises(NotImplementedError, match=rf"{_url(fake_server)} over NCCL.*use vllm_mode='colocate'"):
         engine.load_policy(torch.nn.Linear(2, 2), version=1)
     assert engine.policy_version is None
+
+
+def test_the_config_builds_a_server_engine_and_the_batch_comes_back_padded(fake_server):
+    port = fake_server.server_address[1]
+    args = VLLMArguments(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
+                         vllm_server_timeout=5)
+    engine = build_vllm_engine(args, policy=None)
+    assert isinstance(engine, VLLMServerEngine) and engine.base_url == f"http://127.0.0.1:{port}"
+    queries = torch.tensor([[0, 20, 21], [30, 31, 32]])
+    query_mask = torch.tensor([[False, True, True], [True, True, True]])
+    settings = SamplingSettings(max_tokens=5, temperature=1.0, stop_token_ids=(3,))
+    responses, logprobs = sample_responses(engine, queries, query_mask, settings, pad_token_id=0,
+                                           generator=torch.Generator().manual_seed(2))
+    seeds = request_seeds(2, torch.Generator().manual_seed(2))
+    # the fake answers [first prompt id + 1, seed % 7 + 10, 3]: the real prompt tokens were sent
+    assert responses.tolist() == [[21, seeds[0] % 7 + 10, 3, 0, 0], [31, seeds[1] % 7 + 10, 3, 0, 0]]
+    assert torch.equal(torch.isnan(logprobs), torch.tensor([[False] * 3 + [True] * 2] * 2))
+    assert sorted(p["prompt"] for p in fake_server.requests) == [[20, 21], [30, 31, 32]]

@@ -71,6 +71,23 @@ def request_seeds(n: int, generator: torch.Generator | None = None) -> list[int]
     return torch.randint(0, SEED_HIGH, (n,), generator=generator).tolist()
 
 
+def sample_responses(engine: GenerationEngine, queries: torch.Tensor, query_mask: torch.Tensor,
+                     settings: SamplingSettings, pad_token_id: int,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rollout batch through ``engine``, as the transformers path hands it on.
+
+    Args:
+        queries: ``(B, P)`` left-padded prompt ids; query_mask: ``(B, P)`` bool.
+        settings: ``max_tokens`` is the response length ``T``.
+    Returns:
+        ``(responses (B, T) long, engine_logprobs (B, T) float32)`` on ``queries``' device:
+        responses padded with ``pad_token_id`` (``rollout.finalize_responses`` takes them as it
+        takes ``generate``'s), log-probs NaN where nothing was sampled.
+    """
+    samples = engine.generate(prompt_token_lists(queries, query_mask), settings, generator)
+    return samples.padded(settings.max_tokens, pad_token_id, device=queries.device)
+
+
 class GenerationEngine(ABC):
     """Samples completions for prompt token ids; holds a copy of the policy's weights.
 

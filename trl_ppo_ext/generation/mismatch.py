@@ -98,3 +98,23 @@ def importance_sampling_stats(weights: torch.Tensor, response_mask: torch.Tensor
         zero = torch.zeros((), device=weights.device)
         return dict(zip(IS_RATIO_KEYS, (zero, zero.clone(), zero.clone())))
     return dict(zip(IS_RATIO_KEYS, (values.min(), values.mean(), values.max())))
+
+
+def sampling_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                        *, correction: bool, mode: str = "sequence_mask", clip_min: float | None = None,
+                        clip_max: float | None = 3.0) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """What one rollout sampled by an engine gives the update and the log, as TRL GRPO does.
+
+    Args:
+        old_logprobs, engine_logprobs: ``(B, T)``; response_mask: ``(B, T)`` bool.
+        correction, mode, clip_min, clip_max: ``VLLMArguments``' ``vllm_importance_sampling_*``.
+    Returns:
+        ``(weights, stats)``: the importance weights (``(B, T)`` or ``(B, 1)``, multiplying the
+        per-token policy loss) or None without ``correction``; the log-prob difference stats,
+        always, and the weights' stats with ``correction``.
+    """
+    stats = logp_difference_stats(old_logprobs, engine_logprobs, response_mask)
+    if not correction:
+        return None, stats
+    weights = importance_sampling_weights(old_logprobs, engine_logprobs, response_mask, mode, clip_min, clip_max)
+    return weights, {**stats, **importance_sampling_stats(weights, response_mask, mode)}
