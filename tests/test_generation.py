@@ -352,3 +352,24 @@ def test_written_checkpoint_loads_back_as_the_base(tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(folder)
     for name, tensor in policy_weights(model, None):
         assert torch.equal(dict(loaded.named_parameters())[name], tensor), name
+
+
+def test_a_4bit_policy_goes_only_as_an_adapter_on_its_own_folder(tmp_path):
+    """vLLM must quantize the base from its folder itself (the packed 4-bit weights cannot be
+    written or pushed): the engine's choice of model source, without building an engine."""
+    engine = object.__new__(vllm_colocate.VLLMColocateEngine)
+    engine._workdir = str(tmp_path / "work")
+    model = build_tiny_causal_lm(build_tiny_tokenizer())
+    model.is_loaded_in_4bit = True  # what transformers sets on a bitsandbytes 4-bit load
+    for mode in ("full", "merged", "adapter"):  # no folder: nothing works
+        engine.sync_mode = mode
+        with pytest.raises(ValueError, match=rf"4-bit policy .* sync='{mode}', base folder=''"):
+            engine._model_source(model)
+    model.save_pretrained(tmp_path / "base")
+    model.name_or_path = str(tmp_path / "base")
+    engine.sync_mode = "full"
+    with pytest.raises(ValueError, match="only as a LoRA adapter"):
+        engine._model_source(model)
+    engine.sync_mode = "adapter"
+    assert engine._model_source(model) == str(tmp_path / "base")
+    assert not (tmp_path / "work").exists()  # nothing written: vLLM reads the original

@@ -27,6 +27,7 @@ import tempfile
 import torch
 from torch import nn
 
+from ..quantization import is_4bit_model
 from .arguments import require_vllm
 from .base import EngineSamples, GenerationEngine, SamplingSettings, request_seeds
 from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy_adapter, write_checkpoint
@@ -154,6 +155,8 @@ class VLLMColocateEngine(GenerationEngine):
             generation_config="vllm",  # the checkpoint's sampling defaults never apply
             logprobs_mode="processed_logprobs",  # log-probs after the temperature, as the trainer's
         )
+        if isinstance(policy, nn.Module) and is_4bit_model(policy):
+            kwargs["quantization"] = "bitsandbytes"  # vLLM loads the folder's base in 4-bit (CUDA only)
         if self.sync_mode == "adapter":
             rank = engine_lora_rank(max_lora_rank or int(policy.peft_config[self.adapter].r))
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
@@ -194,7 +197,18 @@ class VLLMColocateEngine(GenerationEngine):
             return policy
         base = policy.get_base_model() if _is_peft(policy) else policy
         own = getattr(base, "name_or_path", "") or ""
-        if os.path.isfile(os.path.join(own, "config.json")) and self.sync_mode != "adapter":
+        has_folder = os.path.isfile(os.path.join(own, "config.json"))
+        if is_4bit_model(policy):
+            # The packed 4-bit weights cannot be written or pushed as checkpoint weights: vLLM must
+            # quantize the original folder itself, and only the adapter can travel.
+            if self.sync_mode != "adapter" or not has_folder:
+                raise ValueError(
+                    "A 4-bit policy can be sampled with vLLM only as a LoRA adapter on a base loaded from a local "
+                    f"folder (vLLM's bitsandbytes path); here sync={self.sync_mode!r}, base folder={own!r}. Load the "
+                    "base from a folder and adapt only q/k/v/o/gate/up/down projections, or set use_vllm=False."
+                )
+            return own
+        if has_folder and self.sync_mode != "adapter":
             return own  # its weights are replaced by the first load_policy
         return write_checkpoint(policy, os.path.join(self._workdir, "model"))
 
