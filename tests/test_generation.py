@@ -373,3 +373,18 @@ def test_a_4bit_policy_goes_only_as_an_adapter_on_its_own_folder(tmp_path):
     engine.sync_mode = "adapter"
     assert engine._model_source(model) == str(tmp_path / "base")
     assert not (tmp_path / "work").exists()  # nothing written: vLLM reads the original
+
+
+def test_a_lora_policy_goes_merged_unless_the_adapter_is_asked_for_or_the_base_is_4bit():
+    engine = object.__new__(vllm_colocate.VLLMColocateEngine)
+    engine.adapter = "default"
+    attention, with_head = _lora_policy(["q_proj", "v_proj"]), _lora_policy(["q_proj", "lm_head"])
+    assert engine._choose_sync_mode(attention, "auto") == "merged"  # measured faster on the CPU
+    assert engine._choose_sync_mode(attention, "adapter") == "adapter"
+    assert engine._choose_sync_mode(with_head, "auto") == "merged"
+    with pytest.raises(ValueError, match=r"vLLM cannot take it: it adapts \['lm_head'\]"):
+        engine._choose_sync_mode(with_head, "adapter")
+    attention.is_loaded_in_4bit = True  # a 4-bit base: only the adapter can travel
+    assert engine._choose_sync_mode(attention, "auto") == "adapter"
+    engine.adapter = None
+    assert engine._choose_sync_mode(build_tiny_causal_lm(build_tiny_tokenizer()), "auto") == "full"

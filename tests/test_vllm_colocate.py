@@ -1,8 +1,9 @@
 """The colocated vLLM engine on tiny fp32 Llamas (head_dim 64: the CPU attention backend refuses 16),
 checked against transformers: the engine's log-probs of its sampled tokens equal a transformers
-forward's, before and after the policy changes and is synced (full weights, a LoRA adapter pushed as
-a vLLM LoRA, an lm_head adapter pushed merged); the same seeds give the same samples; responses stop
-at the stop ids; the run's RNG is left as it was. One engine per layout for the module.
+forward's, before and after the policy changes and is synced (full weights; a LoRA policy merged,
+the default, here one that also adapts lm_head; a LoRA adapter pushed as a vLLM LoRA); the same
+seeds give the same samples; responses stop at the stop ids; the run's RNG is left as it was. One
+engine per layout for the module.
 
 Runs where vLLM is installed (CI's vLLM environment, docs/vllm.md); skipped elsewhere."""
 
@@ -178,18 +179,19 @@ def test_responses_end_at_the_first_stop_id(plain_engine):
 # ---------------------------------------------------------------- LoRA policies
 @pytest.fixture(scope="module")
 def adapter_engine():
-    """A LoRA policy on q/v (vLLM takes these): pushed as a vLLM LoRA adapter."""
+    """A LoRA policy on q/v (vLLM takes these), pushed as a vLLM LoRA adapter (asked for: the
+    default is merged)."""
     from trl_ppo_ext.generation.vllm_colocate import VLLMColocateEngine
 
     policy = _lora_policy(["q_proj", "v_proj"])
-    engine = VLLMColocateEngine(policy, engine_kwargs=ENGINE_KWARGS)
+    engine = VLLMColocateEngine(policy, lora_sync="adapter", engine_kwargs=ENGINE_KWARGS)
     yield engine, policy
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def merged_engine():
-    """A LoRA policy that also adapts lm_head (vLLM refuses it as a LoRA): pushed merged."""
+    """A LoRA policy that also adapts lm_head (vLLM would refuse it as a LoRA): pushed merged."""
     from trl_ppo_ext.generation.vllm_colocate import VLLMColocateEngine
 
     policy = _lora_policy(["q_proj", "lm_head"])
