@@ -9,7 +9,13 @@ Runs where vLLM is installed (CI's vLLM environment, docs/vllm.md); skipped else
 
 import copy
 import itertools
+import json
 import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +228,26 @@ def test_lora_policy_is_sampled_as_transformers_and_peft_compute_it(request, ver
     finally:
         policy.set_adapter("default")
     assert max_difference(with_value_adapter, samples.logprobs) > 0.05
+
+
+@pytest.mark.slow
+def test_two_processes_each_run_their_own_engine(tmp_path):
+    """torchrun, 2 CPU processes: one engine each through vLLM's external launcher; each samples
+    with its own seeds, syncs a changed policy, and leaves the trainer's process group working."""
+    script = Path(__file__).parent / "scripts" / "vllm_two_process.py"
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script),
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["launcher"] for r in ranks)
+    assert ranks[0]["samples"] != ranks[1]["samples"]
+    assert all(r["difference_after_sync"] < EXPECTED_LOGP_TOLERANCE for r in ranks)
+    assert all(r["all_reduce"] == 3.0 for r in ranks)  # 1 + 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

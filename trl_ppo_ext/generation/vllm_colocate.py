@@ -161,13 +161,16 @@ class VLLMColocateEngine(GenerationEngine):
             rank = engine_lora_rank(max_lora_rank or int(policy.peft_config[self.adapter].r))
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         kwargs.update(self._distributed_kwargs(tensor_parallel_size, seed))
+        self._external_launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         kwargs.update(engine_kwargs or {})
         from vllm import LLM
 
+        self.llm = None
         try:
             with preserved_rng():  # vLLM seeds the global RNGs of the process it runs in
                 self.llm = LLM(**kwargs)
         except Exception as err:
+            shutil.rmtree(self._workdir, ignore_errors=True)
             raise RuntimeError(
                 f"vLLM could not load the policy from {source!r} (dtype={dtype}): {err}. The engine needs a model "
                 "architecture vLLM supports, and on a CPU a head_dim its attention backend takes (32, 64, 80, 96, "
@@ -306,6 +309,19 @@ class VLLMColocateEngine(GenerationEngine):
             self._asleep, self._weights_awake = False, True
 
     def close(self) -> None:
-        """Drop the engine and its temporary files (the model copy, adapter versions)."""
+        """Shut the engine down and drop its temporary files (the model copy, adapter versions).
+
+        One process: vLLM's full teardown (it also ends the one-process ``torch.distributed``
+        group that building the engine started). Several processes (external launcher): vLLM's
+        teardown would destroy torch.distributed's default group, which the trainer still uses,
+        and, left to interpreter exit, fails once the trainer destroyed that group; so it is
+        cancelled and the engine's memory goes with the process."""
+        if self.llm is not None:
+            core = self.llm.llm_engine.engine_core
+            finalizer = getattr(core, "_finalizer", None)
+            if self._external_launcher and finalizer is not None:
+                finalizer.detach()
+            else:
+                core.shutdown()
+            self.llm = None
         shutil.rmtree(self._workdir, ignore_errors=True)
-        self.llm = None
