@@ -21,9 +21,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from trl_ppo_ext.functional import logprobs_from_logits
 from trl_ppo_ext.generation.arguments import vllm_installed
-from trl_ppo_ext.generation.base import SamplingSettings
-from trl_ppo_ext.rollout import finalize_responses
+from trl_ppo_ext.generation.base import SamplingSettings, sample_responses
+from trl_ppo_ext.generation.mismatch import sampling_correction
+from trl_ppo_ext.policy_value import lm_logits
+from trl_ppo_ext.rollout import finalize_responses, response_logits, sequence_inputs
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (see docs/vllm.md)")
@@ -182,6 +185,29 @@ def test_responses_end_at_the_first_stop_id(plain_engine):
     assert not torch.isnan(logprobs[mask]).any() and torch.isnan(logprobs[~mask]).all()
 
 
+def test_the_trainers_batched_forward_agrees_with_the_engine(plain_engine):
+    """The path the trainer will take: a left-padded batch through the engine
+    (``sample_responses``), finalised as generate's output is, scored by the rollout's own
+    batched forward; the logged mismatch (TRL's keys) is below the issue's bound and the
+    importance weights are ~1."""
+    engine, policy = plain_engine
+    queries = torch.tensor([[0, 0, 0, 6, 7, 8], [0, 0, 0, 0, 9, 10], [6, 7, 8, 11, 12, 13], [0, 0, 0, 0, 0, 20]])
+    query_mask = queries != 0
+    stop_ids = (3, 10, 11, 12)
+    settings = SamplingSettings(max_tokens=8, temperature=0.7, stop_token_ids=stop_ids)
+    raw, engine_logprobs = sample_responses(engine, queries, query_mask, settings, pad_token_id=0,
+                                            generator=torch.Generator().manual_seed(0))
+    responses, mask, _ = finalize_responses(raw, stop_ids, pad_token_id=0)
+    inputs = sequence_inputs(queries, query_mask, responses, mask)
+    with torch.no_grad():
+        logits = lm_logits(policy, *inputs, logits_to_keep=responses.shape[1] + 1)
+    old = logprobs_from_logits(response_logits(logits, responses.shape[1], 0.7), responses.masked_fill(~mask, 0))
+    weights, stats = sampling_correction(old, engine_logprobs, mask, correction=True, mode="token_truncate")
+    print({k: round(v.item(), 8) for k, v in stats.items()})
+    assert stats["sampling/sampling_logp_difference/max"].item() < EXPECTED_LOGP_TOLERANCE
+    assert (weights[mask] - 1).abs().max().item() < 2e-3
+
+
 # ---------------------------------------------------------------- LoRA policies
 @pytest.fixture(scope="module")
 def adapter_engine():
@@ -251,3 +277,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_model_vllm_cannot_run_is_refused_before_the_engine_is_built():
+    """head_dim 16 (hidden 32, 2 heads): the CPU attention backend has no kernel for it (an eager
+    engine would build and then fail at its first generation)."""
+    from trl_ppo_ext.generation.vllm_colocate import VLLMColocateEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU backend's head_dim limit")
+    small_heads = build_tiny_causal_lm(build_tiny_tokenizer(), hidden_size=32, num_heads=2,
+                                       max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"vLLM's CPU attention has no kernel for this policy's head_dim=16 .*"
+                                         r"use_vllm=False"):
+        VLLMColocateEngine(small_heads, engine_kwargs=ENGINE_KWARGS)

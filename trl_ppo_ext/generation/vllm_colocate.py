@@ -83,6 +83,22 @@ def preserved_rng():
             torch.cuda.set_rng_state_all(states[3])
 
 
+def check_cpu_head_dim(policy: nn.Module) -> None:
+    """Refuse, before anything is built, a model whose attention head size vLLM's CPU attention
+    backend has no kernel for (it would fail at the first generation, or at start-up warm-up)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"vLLM's CPU attention has no kernel for this policy's head_dim={head_dim} (hidden_size / "
+            f"num_attention_heads); it takes {supported}. Set use_vllm=False to sample with transformers, or "
+            "use a model with a supported head size."
+        )
+
+
 def model_dtype(model: nn.Module) -> str:
     """The vLLM dtype name of ``model``'s first floating-point parameter (``"auto"`` if none):
     an fp32 policy must be sampled in fp32, or its log-probs drift from the trainer's by ~0.1."""
@@ -144,6 +160,8 @@ class VLLMColocateEngine(GenerationEngine):
         self._weights_awake = True  # while asleep: the weights were woken for a push, the KV cache not yet
         self._weights_discarded = False
         self._lora_request = None
+        if isinstance(policy, nn.Module) and current_platform.is_cpu():
+            check_cpu_head_dim(policy)
         source = self._model_source(policy)
         if dtype is None:
             dtype = model_dtype(policy) if isinstance(policy, nn.Module) else folder_dtype(source)
