@@ -153,3 +153,11 @@ def test_the_config_builds_a_server_engine_and_the_batch_comes_back_padded(fake_
     assert responses.tolist() == [[21, seeds[0] % 7 + 10, 3, 0, 0], [31, seeds[1] % 7 + 10, 3, 0, 0]]
     assert torch.equal(torch.isnan(logprobs), torch.tensor([[False] * 3 + [True] * 2] * 2))
     assert sorted(p["prompt"] for p in fake_server.requests) == [[20, 21], [30, 31, 32]]
+
+
+def test_a_temperature_vllm_cannot_score_is_refused_before_any_request(fake_server):
+    engine = VLLMServerEngine(_url(fake_server), timeout=5)
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"temperature=0.001 is below 0.01.*use_vllm=False"):
+        engine.generate([[20]], SamplingSettings(max_tokens=4, temperature=0.001))
+    assert fake_server.requests == [] and torch.equal(rng, torch.get_rng_state())

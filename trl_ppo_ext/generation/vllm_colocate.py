@@ -29,7 +29,7 @@ from torch import nn
 
 from ..quantization import is_4bit_model
 from .arguments import require_vllm
-from .base import EngineSamples, GenerationEngine, SamplingSettings, request_seeds
+from .base import EngineSamples, GenerationEngine, SamplingSettings, check_vllm_temperature, request_seeds
 from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy_adapter, write_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -291,6 +291,7 @@ class VLLMColocateEngine(GenerationEngine):
             raise RuntimeError("VLLMColocateEngine.generate without the policy's weights (before the first "
                                "load_policy, or after a sleep that discarded them). Call load_policy(policy, version).")
         from vllm import SamplingParams
+        check_vllm_temperature(settings.temperature)
 
         self.wake_up()
         seeds = request_seeds(len(prompts), generator)

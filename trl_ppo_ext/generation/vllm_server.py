@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from .base import EngineSamples, GenerationEngine, SamplingSettings, request_seeds
+from .base import EngineSamples, GenerationEngine, SamplingSettings, check_vllm_temperature, request_seeds
 from .weights import _is_peft, policy_weights
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class VLLMServerEngine(GenerationEngine):
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings,
                  generator: torch.Generator | None = None) -> EngineSamples:
+        check_vllm_temperature(settings.temperature)
         seeds = request_seeds(len(prompts), generator)
 
         def one(index: int) -> tuple[list[int], list[float]]:
