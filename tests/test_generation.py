@@ -388,3 +388,15 @@ def test_a_lora_policy_goes_merged_unless_the_adapter_is_asked_for_or_the_base_i
     assert engine._choose_sync_mode(attention, "auto") == "adapter"
     engine.adapter = None
     assert engine._choose_sync_mode(build_tiny_causal_lm(build_tiny_tokenizer()), "auto") == "full"
+
+
+def test_an_own_folder_is_used_only_while_its_shapes_match(tmp_path):
+    model = build_tiny_causal_lm(build_tiny_tokenizer())
+    model.save_pretrained(tmp_path / "base")
+    assert vllm_colocate.folder_matches(model.config, str(tmp_path / "base"))
+    model.resize_token_embeddings(model.config.vocab_size + 1)  # a script added [PAD] after loading
+    assert not vllm_colocate.folder_matches(model.config, str(tmp_path / "base"))
+    engine = object.__new__(vllm_colocate.VLLMColocateEngine)
+    engine._workdir, engine.sync_mode = str(tmp_path / "work"), "full"
+    model.name_or_path = str(tmp_path / "base")
+    assert engine._model_source(model) == str(tmp_path / "work" / "model")  # a fresh copy instead

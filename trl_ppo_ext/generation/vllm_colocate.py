@@ -99,6 +99,20 @@ def check_cpu_head_dim(policy: nn.Module) -> None:
         )
 
 
+# Config fields that fix the shapes of the weights: a folder whose config differs in any of them
+# (e.g. embeddings resized after loading, when a script adds a [PAD] token) cannot take the pushes.
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def folder_matches(config, folder: str) -> bool:
+    """Whether the checkpoint ``folder``'s ``config.json`` has the in-memory ``config``'s weight shapes."""
+    with open(os.path.join(folder, "config.json")) as f:
+        on_disk = json.load(f)
+    in_memory = config.to_dict()
+    return all(on_disk.get(key) == in_memory.get(key) for key in _SHAPE_FIELDS)
+
+
 def model_dtype(model: nn.Module) -> str:
     """The vLLM dtype name of ``model``'s first floating-point parameter (``"auto"`` if none):
     an fp32 policy must be sampled in fp32, or its log-probs drift from the trainer's by ~0.1."""
@@ -214,8 +228,9 @@ class VLLMColocateEngine(GenerationEngine):
         return "merged"
 
     def _model_source(self, policy) -> str:
-        """A folder or hub id vLLM can load: given as a string, the in-memory model's own folder,
-        or a temporary checkpoint of its base weights written here once."""
+        """A folder or hub id vLLM can load: given as a string, the in-memory model's own folder
+        (when its shapes still match it), or a temporary checkpoint of its base weights written
+        here once."""
         if isinstance(policy, str):
             return policy
         base = policy.get_base_model() if _is_peft(policy) else policy
@@ -231,7 +246,7 @@ class VLLMColocateEngine(GenerationEngine):
                     "base from a folder and adapt only q/k/v/o/gate/up/down projections, or set use_vllm=False."
                 )
             return own
-        if has_folder and self.sync_mode != "adapter":
+        if has_folder and self.sync_mode != "adapter" and folder_matches(base.config, own):
             return own  # its weights are replaced by the first load_policy
         return write_checkpoint(policy, os.path.join(self._workdir, "model"))
 
