@@ -304,3 +304,15 @@ def test_a_model_vllm_cannot_run_is_refused_before_the_engine_is_built():
     with pytest.raises(ValueError, match=r"vLLM's CPU attention has no kernel for this policy's head_dim=16 .*"
                                          r"use_vllm=False"):
         VLLMColocateEngine(small_heads, engine_kwargs=ENGINE_KWARGS)
+
+
+def test_a_folder_vllm_cannot_load_is_named_and_leaves_no_files(tmp_path, monkeypatch):
+    import tempfile
+
+    from trl_ppo_ext.generation.vllm_colocate import VLLMColocateEngine
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(RuntimeError, match=rf"vLLM could not load the policy from '{missing}'.*use_vllm=False"):
+        VLLMColocateEngine(missing, engine_kwargs=ENGINE_KWARGS)
+    assert list(tmp_path.iterdir()) == []  # its working folder went with it

@@ -164,25 +164,38 @@ class VLLMColocateEngine(GenerationEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm.platforms import current_platform
 
-        self._workdir = tempfile.mkdtemp(prefix="trl_ppo_ext_vllm_")
         self.adapter = None
         if isinstance(policy, nn.Module) and _is_peft(policy):
             self.adapter = adapter or policy.active_adapter
         self.sync_mode = self._choose_sync_mode(policy, lora_sync)
+        if isinstance(policy, nn.Module) and current_platform.is_cpu():
+            check_cpu_head_dim(policy)
         self.enable_sleep_mode = resolve_sleep_mode(enable_sleep_mode, current_platform.is_sleep_mode_available())
         self._asleep = False
         self._weights_awake = True  # while asleep: the weights were woken for a push, the KV cache not yet
         self._weights_discarded = False
         self._lora_request = None
-        if isinstance(policy, nn.Module) and current_platform.is_cpu():
-            check_cpu_head_dim(policy)
+        self._external_launcher = False
+        self.llm = None
+        self._workdir = tempfile.mkdtemp(prefix="trl_ppo_ext_vllm_")
+        try:
+            self.llm = self._build(policy, dtype=dtype, max_lora_rank=max_lora_rank, seed=seed, engine_kwargs=dict(
+                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_length,
+                tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {})))
+        except BaseException:
+            shutil.rmtree(self._workdir, ignore_errors=True)  # a failed start leaves no files behind
+            raise
+
+    def _build(self, policy, *, dtype: str | None, max_lora_rank: int | None, seed: int, engine_kwargs: dict):
+        """The ``vllm.LLM``: its source folder, dtype and keywords; vLLM's own errors become one
+        that says what the engine needs."""
+        from vllm import LLM
+
         source = self._model_source(policy)
         if dtype is None:
             dtype = model_dtype(policy) if isinstance(policy, nn.Module) else folder_dtype(source)
         kwargs = dict(
-            model=source, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_length, tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=self.enable_sleep_mode, seed=seed,
+            model=source, dtype=dtype, enable_sleep_mode=self.enable_sleep_mode, seed=seed,
             skip_tokenizer_init=True,  # ids in, ids out: no tokenizer files needed
             generation_config="vllm",  # the checkpoint's sampling defaults never apply
             logprobs_mode="processed_logprobs",  # log-probs after the temperature, as the trainer's
@@ -192,21 +205,17 @@ class VLLMColocateEngine(GenerationEngine):
         if self.sync_mode == "adapter":
             rank = engine_lora_rank(max_lora_rank or int(policy.peft_config[self.adapter].r))
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
-        kwargs.update(self._distributed_kwargs(tensor_parallel_size, seed))
+        kwargs.update(self._distributed_kwargs(engine_kwargs.get("tensor_parallel_size", 1), seed))
         self._external_launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
-        kwargs.update(engine_kwargs or {})
-        from vllm import LLM
-
-        self.llm = None
+        kwargs.update(engine_kwargs)
         try:
             with preserved_rng():  # vLLM seeds the global RNGs of the process it runs in
-                self.llm = LLM(**kwargs)
+                return LLM(**kwargs)
         except Exception as err:
-            shutil.rmtree(self._workdir, ignore_errors=True)
             raise RuntimeError(
                 f"vLLM could not load the policy from {source!r} (dtype={dtype}): {err}. The engine needs a model "
-                "architecture vLLM supports, and on a CPU a head_dim its attention backend takes (32, 64, 80, 96, "
-                "112, 128, ...). Set use_vllm=False to sample with transformers instead."
+                "architecture vLLM supports (and, on a CPU, a head_dim its attention backend takes). Set "
+                "use_vllm=False to sample with transformers instead."
             ) from err
 
     # ---------------------------------------------------------------- construction helpers
