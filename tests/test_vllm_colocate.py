@@ -164,6 +164,27 @@ def test_same_seeds_same_samples_and_the_rng_is_left_alone(plain_engine):
     assert engine.generate(PROMPTS, settings).completion_ids == from_global.completion_ids
 
 
+def test_a_fresh_engine_samples_what_a_used_one_samples(plain_engine):
+    """What resuming a run relies on: a new engine (the resumed run's) with the same weights and
+    seeds samples what the old one (prefix cache warm, other policies pushed before) samples,
+    and a request's sample does not depend on the rest of its batch."""
+    from trl_ppo_ext.generation.vllm_colocate import VLLMColocateEngine
+
+    engine, policy = plain_engine
+    settings = SamplingSettings(max_tokens=12, temperature=1.0, stop_token_ids=(3,))
+    used = engine.generate(PROMPTS, settings, torch.Generator().manual_seed(21))
+    alone = engine.generate(PROMPTS[:1], settings, torch.Generator().manual_seed(21))
+    assert alone.completion_ids[0] == used.completion_ids[0]  # the first seed drawn is the same
+    fresh = VLLMColocateEngine(copy.deepcopy(policy), engine_kwargs=ENGINE_KWARGS)
+    try:
+        fresh.load_policy(policy, 0)
+        again = fresh.generate(PROMPTS, settings, torch.Generator().manual_seed(21))
+    finally:
+        fresh.close()
+    assert again.completion_ids == used.completion_ids
+    assert max(abs(a - b) for x, y in zip(again.logprobs, used.logprobs) for a, b in zip(x, y)) < 1e-6
+
+
 def test_near_greedy_temperatures_are_refused(plain_engine):
     """Below 0.01 vLLM's log-probs stop matching log_softmax(logits / T) (measured: 7e-6 at 0.01,
     19 at 0.001): the engine refuses rather than feed PPO a meaningless ratio."""
