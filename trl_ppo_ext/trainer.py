@@ -36,6 +36,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from . import checkpoint as ckpt
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
+from .advantages import PPOTargets, compute_targets, target_settings
 from .batching import BatchPlan
 from .checkpoint import clean_temp_dirs
 from .config import PPOConfig
@@ -80,23 +81,6 @@ class OnlineTrainerState(TrainerState):
     episode: int = 0
     stop_reason: str | None = None  # a guard's message when a guard halted the run
     halted_by: str | None = None  # the guard's name
-
-
-@dataclass
-class PPOTargets:
-    """What the update trains toward, derived from a ``Rollout`` by ``compute_advantages``: the
-    scores and shaped per-token rewards, and from them the advantages (policy) and returns
-    (value). All ``(B, T)`` float32 unless noted; every field is 0 where ``response_mask`` is
-    False."""
-
-    scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
-    kl: torch.Tensor  # per-token KL estimate (the configured estimator)
-    non_score_rewards: torch.Tensor  # -kl_coef * kl
-    rewards: torch.Tensor  # shaped reward: non-score reward + score at the last valid token
-    advantages: torch.Tensor  # GAE advantages, whitened when `whiten_advantages`
-    returns: torch.Tensor  # value targets: raw advantages + old values
-    raw_advantage_mean: torch.Tensor  # () before whitening, for logging
-    raw_advantage_std: torch.Tensor  # () before whitening, for logging
 
 
 def _disable_dropout(model: nn.Module) -> list[tuple[object, str, float]]:
@@ -908,27 +892,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         model = model if model is not None else self.reward_model
         return reward_model_scores(model, part, inputs, self.accelerator.autocast)
 
-    @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> PPOTargets:
-        """Shaped rewards -> masked GAE -> masked global whitening."""
-        args, mask = self.args, rollout.response_mask
-        scores = rollout.scores
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~rollout.has_stop).float()
-        kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
-        rewards, non_score = F.shaped_rewards(
-            rollout.logprobs, rollout.ref_logprobs, scores, mask, self.kl_controller.value, args.kl_estimator, kl=kl
-        )
-        if args.whiten_rewards:
-            rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
-        advantages, returns = F.masked_gae(rewards, rollout.values, mask, args.gamma, args.lam)
-        raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
-        if args.whiten_advantages:
-            advantages = F.masked_global_whiten(advantages, mask)
-        return PPOTargets(
-            scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
-            returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
-        )
+        """The update's targets (``advantages.compute_targets``) at the KL controller's current coefficient."""
+        return compute_targets(rollout, kl_coef=self.kl_controller.value, **target_settings(self.args))
 
     def ppo_update(self, rollout: Rollout, adv: PPOTargets, update: int) -> tuple[dict, GuardDecision]:
         """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
@@ -997,7 +963,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         for part in self.plan.micro_batch_slices():
             micro = mini[part]
             with accelerator.accumulate(self.model):
-                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro), num_tokens)
+                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), adv.select(micro), num_tokens)
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
                 accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
@@ -1357,11 +1323,3 @@ def _scaler_found_inf(scaler, optimizer) -> bool:
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-micro-batch scalars -> one ``(n,)`` tensor per statistic."""
     return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
-
-
-def _select_adv(adv: PPOTargets, index: torch.Tensor) -> PPOTargets:
-    """The rows ``index`` of every per-sequence/per-token field; scalars are kept."""
-    return PPOTargets(
-        **{f.name: (v[index] if torch.is_tensor(v) and v.dim() > 0 else v)
-           for f in fields(adv) for v in [getattr(adv, f.name)]}
-    )
