@@ -44,6 +44,7 @@ from .data import PromptCollator
 from .distributed import configure_deepspeed, gathered, prepare_frozen_model, process_state
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
+from .losses import loss_settings, ppo_loss
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
@@ -1042,32 +1043,17 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
 
         ``num_tokens``: the valid-token count the token sums are divided by (the whole
         mini-batch's over every process, see ``functional.masked_token_mean``); None: this
-        micro-batch's own. The returned statistics are this micro-batch's token means.
+        micro-batch's own. The forward is here; the composition is ``losses.ppo_loss``, whose
+        statistics are this micro-batch's token means.
         """
-        args, mask = self.args, mb.response_mask
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
-        pg_loss, pg_stats = F.masked_clipped_surrogate(
-            new_logprobs, mb.logprobs, adv.advantages, mask, args.cliprange, num_tokens
+        return ppo_loss(
+            new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
+            advantages=adv.advantages, returns=adv.returns, response_mask=mb.response_mask, num_tokens=num_tokens,
+            **loss_settings(self.args),
         )
-        vf_loss, vf_stats = F.masked_clipped_value_loss(
-            new_values, mb.values, adv.returns, mask, args.cliprange_value, num_tokens
-        )
-        with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = F.masked_entropy(resp_logits, mask, num_tokens)
-        loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
-        with torch.no_grad():
-            # shares of the mini-batch mean -> this micro-batch's own token means, for logging
-            to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / mask.sum().clamp(min=1)
-            stats = {
-                "pg_loss": pg_loss.detach() * to_local, "vf_loss": vf_loss.detach() * to_local,
-                "entropy": entropy.detach() * to_local, "loss": loss.detach() * to_local,
-                "pg_clipfrac": pg_stats["clipfrac"], "vf_clipfrac": vf_stats["clipfrac"],
-                "approxkl": pg_stats["approxkl"], "ratio_mean": pg_stats["ratio_mean"],
-                "ratio_max": pg_stats["ratio_max"],
-            }
-        return loss, stats
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
