@@ -45,6 +45,7 @@ from .distributed import configure_deepspeed, gathered, prepare_frozen_model, pr
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
+from .metrics import evaluation_row, reward_statistics, show_completions, update_metrics, user_metric_rows
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
@@ -1057,39 +1058,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        """This update's statistics, averaged over every process (one gather for the token
-        statistics, one for the largest ratio, two for the per-reward columns)."""
-        mask = rollout.response_mask
-        lengths = mask.sum(1).float()
-        local = {
-            "objective/scores": adv.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
-            "objective/scores_before_penalty": rollout.scores.mean(),
-            "objective/non_score_reward": adv.non_score_rewards.sum(1).mean(),
-            "objective/rlhf_reward": adv.rewards.sum(1).mean(),
-            "objective/kl": adv.kl.sum(1).mean(),
-            "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
-            "policy/approxkl_avg": stats["approxkl"].mean(),
-            "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
-            "policy/entropy_avg": stats["entropy"].mean(),
-            "loss/policy_avg": stats["pg_loss"].mean(),
-            "loss/value_avg": stats["vf_loss"].mean(),
-            "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
-            "val/explained_variance": F.masked_explained_variance(rollout.values, adv.returns, mask),
-            "val/ratio": stats["ratio_mean"].mean(),
-            "val/ratio_var": stats["ratio_mean"].var(unbiased=False),
-            "val/advantage_mean": adv.raw_advantage_mean,
-            "val/advantage_std": adv.raw_advantage_std,
-            "val/response_length": lengths.mean(),
-            "val/eos_rate": rollout.has_stop.float().mean(),
-            "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
-            "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(float("nan")),
-        }
-        names = list(local)
-        values = torch.stack([local[k].float().to(self.accelerator.device) for k in names])
-        means = self.accelerator.gather(values[None]).reshape(-1, len(names)).mean(0)
-        ratio_max = self.accelerator.gather(stats["ratio_max"].max()[None].to(self.accelerator.device)).max()
-        metrics = {k: float(v) for k, v in zip(names, means.tolist())}
-        metrics["val/ratio_max"] = float(ratio_max)
+        """This update's statistics, averaged over every process (``metrics.update_metrics``),
+        the per-reward columns and the run's counters."""
+        metrics = update_metrics(rollout, adv, stats, gather=self.accelerator.gather, device=self.accelerator.device)
         metrics.update(self._reward_metrics(rollout))
         metrics["policy/lag"] = float(self.counters.rollout_age)
         metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
@@ -1097,19 +1068,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return metrics
 
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """``rewards/<name>/mean`` and ``/std`` of each reward over the completions it applies to,
-        on every process (population std; NaN when it applied to none)."""
-        if rollout.reward_values is None:  # a score_rollout override that keeps no per-reward columns
+        """``rewards/<name>/mean`` and ``/std`` (see ``metrics.reward_statistics``); none for a
+        ``score_rollout`` override that keeps no per-reward columns."""
+        if rollout.reward_values is None:
             return {}
-        values = self.accelerator.gather(rollout.reward_values).double()  # (B_all, F)
-        applies = self.accelerator.gather(rollout.reward_applies)
-        count = applies.sum(0)  # (F,); 0 / 0 below is the NaN of a reward that applied to none
-        mean = torch.where(applies, values, 0.0).sum(0) / count
-        std = (torch.where(applies, (values - mean).square(), 0.0).sum(0) / count).sqrt()
-        metrics = {}
-        for reward, m, sd in zip(self.rewards, mean.tolist(), std.tolist()):  # one host copy for all rewards
-            metrics[f"rewards/{reward.name}/mean"], metrics[f"rewards/{reward.name}/std"] = m, sd
-        return metrics
+        return reward_statistics(rollout.reward_values, rollout.reward_applies,
+                                 [f"rewards/{r.name}" for r in self.rewards], gather=self.accelerator.gather)
 
     def log_update(self, metrics: dict[str, float]) -> None:
         """Advance the step/episode counters and log ``metrics`` (plus lr, eps, episode)."""
@@ -1169,24 +1133,8 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         with ckpt.isolated_rng(seed=self.args.seed):
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
-                row = {
-                    "eval/rm_score": r.scores,
-                    "eval/response_length": r.response_mask.sum(1),
-                    "eval/kl": F.kl_penalty(r.logprobs, r.ref_logprobs, self.args.kl_estimator)
-                    .masked_fill(~r.response_mask, 0.0).sum(1),
-                }
-                for k, reward in enumerate(self.rewards if r.reward_values is not None else []):
-                    # NaN where it does not apply (nanmean below); a lone RM is eval/rm_score already
-                    if len(self.rewards) > 1 or not reward.is_model:
-                        row[f"eval/{reward.name}"] = r.reward_values[:, k]
-                if self.eval_metrics:
-                    prompt_ids, completion_ids = valid_token_ids(r)
-                    prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
-                    # Completions keep their special tokens: whether one ended with EOS is often what a
-                    # held-out metric checks.
-                    completions = tok.batch_decode(completion_ids)
-                for name, fn in self.eval_metrics.items():
-                    row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
+                row = evaluation_row(r, self.rewards, self.args.kl_estimator)
+                row.update(user_metric_rows(self.eval_metrics, tok, r))
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
         return {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
@@ -1275,26 +1223,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return pd.DataFrame(table)
 
     def _show_completions(self, df) -> None:
-        head = df.iloc[:5]
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            print(head.to_string())
-        else:
-            table = Table(show_lines=True)
-            for column in head.columns:
-                table.add_column(str(column))
-            for row in head.itertuples(index=False):
-                table.add_row(*[str(x) for x in row])
-            Console().print(table)
-        if "wandb" in self.args.report_to:
-            import wandb
-
-            if wandb.run is not None:
-                wandb.log({"completions": wandb.Table(dataframe=df)})
-
-
+        show_completions(df, self.args.report_to)
 
 
 def _scaler_found_inf(scaler, optimizer) -> bool:
