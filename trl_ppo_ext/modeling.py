@@ -28,7 +28,12 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from .policy_value import disable_checkpointing, enable_checkpointing, is_checkpointing
+from .policy_value import (
+    disable_checkpointing,
+    enable_checkpointing,
+    is_checkpointing,
+    remembered_checkpointing_kwargs,
+)
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
@@ -273,10 +278,14 @@ class SharedActorCritic(nn.Module):
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
                                       **kwargs) -> None:
-        """Enable activation checkpointing on the base (refused with a value adapter)."""
+        """Enable activation checkpointing on the base (refused with a value adapter). A base
+        that cannot checkpoint is skipped with one warning naming it (``enable_checkpointing``).
+        Called again without kwargs (TRL's generation context, after each rollout), it reuses
+        the kwargs of the last call that gave some."""
         if self.value_adapter is not None:
             raise ValueError(self._checkpointing_refusal())
-        enable_checkpointing(self.policy.get_base_model(), gradient_checkpointing_kwargs)
+        kwargs = remembered_checkpointing_kwargs(self, gradient_checkpointing_kwargs)
+        enable_checkpointing(self.policy.get_base_model(), kwargs, role="shared actor-critic backbone")
 
     def gradient_checkpointing_disable(self) -> None:
         """Disable activation checkpointing on the base."""

@@ -9,10 +9,15 @@ Notation: ``B`` sequences, ``L`` = prompt + response positions, ``V`` vocabulary
 
 from __future__ import annotations
 
+import logging
+import weakref
+
 import torch
 from torch import nn
 
 from .distributed import is_zero3_param
+
+logger = logging.getLogger(__name__)
 
 
 def backbone_hidden(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
@@ -33,7 +38,16 @@ def backbone_hidden(model: nn.Module, input_ids, attention_mask, position_ids) -
         use_cache=False,
         return_dict=True,
     )
-    return out.last_hidden_state
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None and getattr(out, "hidden_states", None):
+        hidden = out.hidden_states[-1]  # a custom backbone that fills only what TRL reads
+    if hidden is None:
+        raise ValueError(
+            f"{type(model).__name__}.{model.base_model_prefix} returned {type(out).__name__} without "
+            "`last_hidden_state` or `hidden_states`. Return a transformers BaseModelOutput with the final "
+            "hidden states (B, L, H) as `last_hidden_state`."
+        )
+    return hidden
 
 
 def scalar_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,28 +139,108 @@ class PolicyAndValue(nn.Module):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return is_checkpointing(self.policy)
+        """Whether the policy or the value model checkpoints activations (TRL's generation
+        context reads it to switch checkpointing off and back on around ``generate``)."""
+        return is_checkpointing(self.policy) or is_checkpointing(self.value_model)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs):
-        """Checkpoint the activations of both backbones (policy and value model)."""
-        for m in (self.policy, self.value_model):
-            enable_checkpointing(m, gradient_checkpointing_kwargs)
+        """Checkpoint the activations of both backbones (policy and value model); a model that
+        cannot is skipped with one warning naming it (see :func:`enable_checkpointing`). Called
+        again without kwargs (TRL's generation context, after each rollout), it reuses the
+        kwargs of the last call that gave some."""
+        kwargs = remembered_checkpointing_kwargs(self, gradient_checkpointing_kwargs)
+        enable_checkpointing(self.policy, kwargs, role="policy")
+        enable_checkpointing(self.value_model, kwargs, role="value model")
 
     def gradient_checkpointing_disable(self):
         for m in (self.policy, self.value_model):
             disable_checkpointing(m)
 
 
-def enable_checkpointing(model: nn.Module, checkpointing_kwargs: dict | None = None) -> None:
+def remembered_checkpointing_kwargs(wrapper: nn.Module, given: dict | None) -> dict | None:
+    """``given``, remembered on ``wrapper``; or, when None, the kwargs remembered last time.
+
+    The trainer enables checkpointing with the config's kwargs (``use_reentrant`` ...); TRL's
+    generation context switches it off for ``generate`` and back on without them, which would
+    otherwise reset them to transformers' defaults after the first rollout.
+    """
+    if given is not None:
+        wrapper._checkpointing_kwargs = dict(given)
+    return getattr(wrapper, "_checkpointing_kwargs", None)
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The ``transformers`` model inside a peft wrapper, or ``model`` itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def checkpointing_unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot checkpoint its activations, or None if it can.
+
+    transformers models say so with the class attribute ``supports_gradient_checkpointing``
+    and need at least one module with a ``gradient_checkpointing`` flag to set; other modules
+    need their own ``gradient_checkpointing_enable``. A peft model is judged by its base.
+    """
+    base = _transformers_model(model)
+    if hasattr(base, "supports_gradient_checkpointing"):  # a transformers PreTrainedModel
+        if not base.supports_gradient_checkpointing:
+            return "its class does not set supports_gradient_checkpointing = True"
+        if not any(hasattr(m, "gradient_checkpointing") for m in base.modules()):
+            return "none of its modules has a `gradient_checkpointing` flag"
+        return None
+    if not (hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")):
+        return "it has no gradient_checkpointing_enable method"
+    return None
+
+
+# Models already warned about, so that each gets its warning once per process however often
+# checkpointing is re-enabled (TRL's generation context does so after every rollout).
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _is_main_process() -> bool:
+    """Rank 0, or no process group: one warning per run, not one per process."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def enable_checkpointing(model: nn.Module, checkpointing_kwargs: dict | None = None, role: str = "model") -> bool:
     """Turn on activation checkpointing of a ``transformers`` model (or a peft model around one)
-    under the name its version has (``activation_checkpointing_enable`` from transformers 5)."""
+    under the name its version has (``activation_checkpointing_enable`` from transformers 5).
+
+    A model that cannot checkpoint (a custom ``PreTrainedModel`` without
+    ``supports_gradient_checkpointing``, a plain ``nn.Module``) is left as it is and trains
+    without checkpointing, as under TRL's PPO trainer: one warning names it and its ``role``
+    (e.g. ``"value model"``) the first time, on the main process only; later calls skip it
+    silently.
+
+    Returns:
+        Whether checkpointing is on for ``model`` now.
+    """
+    reason = checkpointing_unsupported_reason(model)
+    if reason is not None:
+        if model not in _WARNED:
+            _WARNED.add(model)
+            if _is_main_process():
+                logger.warning(
+                    "gradient_checkpointing=True is not applied to the %s (%s): %s. It trains without activation "
+                    "checkpointing (more activation memory); set supports_gradient_checkpointing = True on the "
+                    "class if its layers can checkpoint, or gradient_checkpointing=False to silence this.",
+                    role, type(_transformers_model(model)).__name__, reason,
+                )
+        return False
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(checkpointing_kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+    return True
 
 
 def disable_checkpointing(model: nn.Module) -> None:
+    """Turn activation checkpointing off; a model that cannot checkpoint is left as it is."""
+    if checkpointing_unsupported_reason(model) is not None:
+        return
     if hasattr(model, "activation_checkpointing_disable"):
         model.activation_checkpointing_disable()
     else:
