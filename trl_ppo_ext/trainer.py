@@ -46,6 +46,14 @@ from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
 from .metrics import evaluation_row, reward_statistics, show_completions, update_metrics, user_metric_rows
+from .modeling import (
+    config_values,
+    disable_dropout,
+    embedding_rows,
+    scalar_head_outputs,
+    strip_fp32_output_wrapper,
+    warn_low_precision_trainables,
+)
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
@@ -85,75 +93,6 @@ class OnlineTrainerState(TrainerState):
     halted_by: str | None = None  # the guard's name
 
 
-def _disable_dropout(model: nn.Module) -> list[tuple[object, str, float]]:
-    """Dropout off in every form: ``nn.Dropout`` modules, and the float probabilities that
-    attention layers read at forward time (``attention_dropout`` of Llama/Qwen, OPT's
-    ``dropout``), copied from the config into module attributes at build time, or read from
-    the config itself (GPT-Neo, Falcon).
-
-    PPO's ratio compares two forwards of the same weights; dropout would make it noise.
-    Returns ``(config, name, original value)`` of every config float set to 0, so that a
-    saved checkpoint can keep the user's values (see :func:`_config_values`).
-    """
-    zeroed = []
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
-                setattr(module, name, 0.0)
-        config = vars(module).get("config")
-        if config is not None and hasattr(config, "to_dict"):
-            for name, value in config.to_dict().items():
-                # a config shared by several modules is met again with 0.0 and not recorded twice
-                if "dropout" in name and isinstance(value, float) and value != 0.0 and hasattr(config, name):
-                    zeroed.append((config, name, value))
-                    setattr(config, name, 0.0)
-    return zeroed
-
-
-@contextmanager
-def _config_values(entries):
-    """Inside the block, each ``(config, name, value)`` of ``entries`` holds ``value``; the
-    current values come back on exit."""
-    current = [(config, name, getattr(config, name)) for config, name, _ in entries]
-    try:
-        for config, name, value in entries:
-            setattr(config, name, value)
-        yield
-    finally:
-        for config, name, value in reversed(current):
-            setattr(config, name, value)
-
-
-def _warn_low_precision_trainables(model: nn.Module) -> None:
-    """Say so when trainable weights are bf16/fp16: AdamW steps at PPO's learning rates (~1e-6)
-    are mostly below half precision's rounding step, and such weights barely move."""
-    low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        logger.warning(
-            "%d trainable parameter tensors are %s (e.g. %s): optimizer steps smaller than half precision's "
-            "rounding step are lost, so a full fine-tune barely moves. Load the trainable model in float32 "
-            "(torch_dtype=torch.float32) and train with bf16=True mixed precision, or train LoRA adapters.",
-            len(low), dict(model.named_parameters())[low[0]].dtype, low[0],
-        )
-
-
-def _embedding_rows(model: nn.Module) -> int:
-    """Rows of ``model``'s input embedding, through peft's wrapper when the embedding carries a
-    LoRA adapter (the wrapper has no ``num_embeddings``); read from the module, not the weight,
-    which ZeRO-3 partitions."""
-    embedding = model.get_input_embeddings()
-    return int(getattr(embedding, "base_layer", embedding).num_embeddings)
-
-
-def _scalar_head_outputs(model: nn.Module) -> int:
-    """Outputs of a sequence classifier's ``score`` head (its config's num_labels if it has none)."""
-    head = getattr(model, "score", None)
-    out = getattr(head, "out_features", None)
-    return int(out) if out is not None else int(getattr(getattr(model, "config", None), "num_labels", 1))
-
-
 def _mixed_precision(args) -> str:
     """The precision the config asks for, as transformers' Trainer reads it: ``fp16``/``bf16``
     from the config, else the launcher's (``accelerate launch --mixed_precision``), else no."""
@@ -162,19 +101,6 @@ def _mixed_precision(args) -> str:
     if getattr(args, "bf16", False):
         return "bf16"
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-
-
-def _strip_fp32_output_wrapper(model: nn.Module) -> None:
-    """Undo accelerate's mixed-precision forward patch on a prepared model.
-
-    Under autocast, ``accelerator.prepare`` makes the model's forward return every output in
-    fp32, a full ``(B, T+1, V)`` copy of the logits. The trainer runs every forward (policy,
-    reference, value, reward) inside ``accelerator.autocast()`` itself instead, so they all
-    share one precision context and log-probs are taken from the logits as produced.
-    """
-    if "_original_forward" in vars(model):
-        vars(model).pop("_original_forward")
-        vars(model).pop("forward", None)
 
 
 def _as_our_config(args) -> PPOConfig:
@@ -243,7 +169,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         wrapper = self._build_policy_and_value(model, value_model, peft_config)
         self.stop_token_ids = self._resolve_generation(args, processing_class, wrapper.policy)
         self._apply_gradient_checkpointing(wrapper)
-        _warn_low_precision_trainables(wrapper)
+        warn_low_precision_trainables(wrapper)
         self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
         if eval_dataset is not None:
             self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
@@ -251,7 +177,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self.ref_model = self._build_reference(model, ref_model)
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
             entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model))
-            if m is not None for entry in _disable_dropout(m)
+            if m is not None for entry in disable_dropout(m)
         ]
 
         self._setup_batch_sizes(args)
@@ -321,7 +247,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """Every reward model (``reward_model`` or one in ``reward_funcs``) has one output."""
         from_funcs = self.rewards[1:] if reward_model is not None else self.rewards
         for reward in self.rewards:
-            outputs = _scalar_head_outputs(reward.source) if reward.is_model else 1
+            outputs = scalar_head_outputs(reward.source) if reward.is_model else 1
             if outputs != 1:
                 where = ("`reward_model`" if reward.source is reward_model
                          else f"`reward_funcs[{from_funcs.index(reward)}]`")
@@ -527,7 +453,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self.model, self.optimizer, self.dataloader = self.accelerator.prepare(
             self.model, self.optimizer, self.dataloader
         )
-        _strip_fp32_output_wrapper(self.unwrapped)  # every forward runs in `self.accelerator.autocast()`
+        strip_fp32_output_wrapper(self.unwrapped)  # every forward runs in `self.accelerator.autocast()`
         torch.manual_seed(self.local_seed)  # generation differs per process
         self.eval_dataloader = None
         if self.eval_dataset is not None:
@@ -792,7 +718,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
             policy = unwrapped.policy
-            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, _embedding_rows(policy))
+            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
             config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
             with self.accelerator.autocast():
                 raw = generate_responses(
@@ -1143,7 +1069,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the policy (or adapter) for inference; a shared actor-critic also saves its value
         head. The saved config keeps the dropout values it came with (training runs with 0)."""
-        with _config_values(getattr(self, "_dropout_in_configs", ())):
+        with config_values(getattr(self, "_dropout_in_configs", ())):
             self._save_policy(output_dir or self.args.output_dir, _internal_call)
 
     def _save_policy(self, output_dir: str, _internal_call: bool) -> None:
