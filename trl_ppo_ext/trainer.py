@@ -33,21 +33,21 @@ from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
-from . import checkpoint as ckpt
+from . import checkpointing as ckpt
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
 from .advantages import PPOTargets, compute_targets, target_settings
 from .batching import BatchPlan
-from .checkpoint import clean_temp_dirs
+from .checkpointing import CheckpointMixin, clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
-from .distributed import configure_deepspeed, gathered, prepare_frozen_model, process_state
+from .distributed import configure_deepspeed, prepare_frozen_model, process_state
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
+from .manifest import ManifestMixin
 from .metrics import evaluation_row, reward_statistics, show_completions, update_metrics, user_metric_rows
 from .modeling import (
-    config_values,
     disable_dropout,
     embedding_rows,
     scalar_head_outputs,
@@ -78,7 +78,7 @@ from .rollout import (
     stop_token_ids,
     valid_token_ids,
 )
-from .run_state import CheckpointMixin, RunCounters
+from .run_state import RunCounters
 from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def _as_our_config(args) -> PPOConfig:
     return ours
 
 
-class PPOTrainer(CheckpointMixin, PPOTrainerBase):
+class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     """Drop-in replacement for TRL's ``PPOTrainer`` with correct token-level PPO math.
 
     Args are TRL's: ``args`` (a ``PPOConfig``), ``processing_class`` (tokenizer with a pad
@@ -577,22 +577,6 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 self._checkpoint_preempted(inflight=False)
                 return PREEMPTED, PREEMPTED
         return "completed", None
-
-    def _checkpoint_preempted(self, inflight: bool) -> None:
-        """Record the preemption and write a complete checkpoint (whatever ``save_strategy``):
-        ``checkpoint-<step>`` at an update boundary, else ``checkpoint-<step>-preempted`` holding
-        the update in progress (resumed first by ``resume_from_checkpoint=True``)."""
-        self.state.stop_reason = PREEMPTED
-        name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}" + (ckpt.PREEMPTED_SUFFIX if inflight else "")
-        path = os.path.join(self.args.output_dir, name)
-        just_saved = self._last_checkpoint == (self.state.global_step, path) and os.path.isdir(path)
-        if not inflight and just_saved:
-            self._record_stop_in_checkpoint(path)  # save_steps wrote this update's checkpoint: no second save
-        else:
-            self._save_checkpoint(self.model, folder_name=name)
-        self._inflight = None
-        logger.warning("SIGTERM: stopped after update %d%s; checkpoint %s written.", self.state.global_step,
-                       " and part of the next one" if inflight else "", name)
 
     def run_update(self, update: int) -> GuardDecision:
         """One PPO update; returns the guards' decision (``halt`` ends the run)."""
@@ -1066,52 +1050,6 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
 
     # ------------------------------------------------------------------ outputs
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy (or adapter) for inference; a shared actor-critic also saves its value
-        head. The saved config keeps the dropout values it came with (training runs with 0)."""
-        with config_values(getattr(self, "_dropout_in_configs", ())):
-            self._save_policy(output_dir or self.args.output_dir, _internal_call)
-
-    def _save_policy(self, output_dir: str, _internal_call: bool) -> None:
-        unwrapped = self.unwrapped
-        if self.is_deepspeed_enabled:
-            return self._save_model_deepspeed(output_dir, _internal_call)
-        if getattr(unwrapped, "is_actor_critic", False):
-            self.accelerator.wait_for_everyone()
-            if self.args.should_save:
-                unwrapped.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            if self.args.push_to_hub and not _internal_call:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-            return
-        wrapped = self.model
-        self.model = unwrapped  # TRL's save_model saves `self.model.policy`
-        try:
-            super().save_model(output_dir, _internal_call)
-        finally:
-            self.model = wrapped
-
-    def _save_model_deepspeed(self, output_dir: str, _internal_call: bool) -> None:
-        """``save_model`` under DeepSpeed: every process takes part (ZeRO-3 gathers the saved
-        weights: the adapter and value head of a LoRA model, the whole policy of a full
-        fine-tune), the main process writes. TRL/transformers' own DeepSpeed save path expects
-        the engine where TRL puts the bare policy, and fails."""
-        unwrapped = self.unwrapped
-        target = unwrapped if getattr(unwrapped, "is_actor_critic", False) else unwrapped.policy
-        is_adapter = getattr(unwrapped, "is_actor_critic", False) or self.is_peft_model
-        saved = [p for p in target.parameters() if p.requires_grad or not is_adapter]
-        self.accelerator.wait_for_everyone()
-        with gathered(saved):
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                target.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        self.accelerator.wait_for_everyone()
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False):
         """Sample completions for ``eval_dataset`` at low temperature, score them, print a table.
