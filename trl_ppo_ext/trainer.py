@@ -114,13 +114,10 @@ def _as_our_config(args) -> PPOConfig:
             f"`args` must be a {accepted}, got {type(args).__name__}. Build it with "
             "`trl_ppo_ext.PPOConfig(output_dir=..., ...)` (it takes every TRL PPOConfig field)."
         )
-    ours = object.__new__(PPOConfig)
-    ours.__dict__.update(args.__dict__)
-    for f in fields(PPOConfig):
-        if f.name not in ours.__dict__:
-            setattr(ours, f.name, f.default)
-    ours._check_ppo_fields()
-    return ours
+    # Every init field TRL's config has, with its value, through our constructor (so our
+    # __post_init__ checks run and our own fields take their defaults).
+    ours = {f.name for f in fields(PPOConfig) if f.init}
+    return PPOConfig(**{f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in ours})
 
 
 class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
