@@ -463,7 +463,14 @@ def test_resolve_compute_dtype_refuses_bf16_where_unsupported(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_4bit_actor_critic_on_cuda_uses_bf16_and_trains(lm_dir, ids):
+    import bitsandbytes as bnb
+
     model = load_actor_critic(lm_dir, lora_r=4, lora_alpha=8, load_in_4bit=True)
+    # bf16 compute: the quantization config, every 4-bit layer's matmul, and the unquantized weights
+    assert model.policy.config.quantization_config.bnb_4bit_compute_dtype == torch.bfloat16
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.compute_dtype == torch.bfloat16 for m in layers)
+    assert model.policy.get_input_embeddings().weight.dtype == torch.bfloat16
     assert model.value_head.weight.device.type == "cuda"
     assert model.value_head.weight.dtype == torch.float32
     ids = ids.cuda()

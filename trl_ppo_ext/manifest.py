@@ -12,6 +12,13 @@ the seed and the distributed topology. This module builds that record as plain J
 
 Everything returned is JSON-serialisable (:func:`to_jsonable` converts dtypes, enums,
 paths, sets, tensors and config objects; NaN/inf become strings, so the file is strict JSON).
+
+Example:
+
+>>> import torch
+>>> from trl_ppo_ext.manifest import to_jsonable
+>>> to_jsonable({"kl": torch.tensor(0.5), "steps": (1, 2)})
+{'kl': 0.5, 'steps': [1, 2]}
 """
 
 from __future__ import annotations

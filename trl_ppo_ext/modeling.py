@@ -14,6 +14,16 @@ scoring passes (``trl_ppo_ext.offload``).
 
 Notation: ``B`` sequences, ``L`` tokens per sequence (prompt + response), ``V`` vocab,
 ``H`` hidden size.
+
+Example:
+
+>>> from torch import nn
+>>> from trl_ppo_ext.modeling import disable_dropout
+>>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+>>> disable_dropout(model)  # no config values to record in a plain module
+[]
+>>> model[1].p
+0.0
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ run is in the data, what went wrong), saved in ``ppo_state.json`` as a unit.
 Saving and loading a run is ``trl_ppo_ext.checkpointing``. Its names that used to live here
 (``CheckpointMixin``, ``load_checkpoint_file``, ``UnsafeCheckpointError``, the checkpoint file
 names) are still importable from this module.
+
+Example:
+
+>>> from trl_ppo_ext.run_state import RunCounters
+>>> RunCounters(epoch=1, batches=3).state_dict()["data_cursor"]
+{'epoch': 1, 'batches': 3}
 """
 
 from __future__ import annotations

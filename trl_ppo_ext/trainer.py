@@ -10,6 +10,13 @@ Same constructor as TRL's trainer. ``train()`` reads as
 and each phase is a method a subclass may override (``generate_rollout``, ``score_rollout``,
 ``compute_advantages``, ``ppo_update``/``compute_loss_terms``, ``log_update``). The math is
 in ``trl_ppo_ext.functional``.
+
+Example:
+
+>>> from trl_ppo_ext import PPOTrainer
+>>> phases = ("generate_rollout", "score_rollout", "compute_advantages", "ppo_update", "log_update")
+>>> all(callable(getattr(PPOTrainer, name)) for name in phases)  # each one overridable in a subclass
+True
 """
 
 from __future__ import annotations
