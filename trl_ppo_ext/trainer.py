@@ -8,8 +8,11 @@ Same constructor as TRL's trainer. ``train()`` reads as
     for each update:  rollout -> score -> advantages -> update -> log
 
 and each phase is a method a subclass may override (``generate_rollout``, ``score_rollout``,
-``compute_advantages``, ``ppo_update``/``compute_loss_terms``, ``log_update``). The math is
-in ``trl_ppo_ext.functional``.
+``compute_advantages``, ``ppo_update``/``compute_loss_terms``, ``log_update``). A hook
+delegates to the module of its concept: ``rollout``, ``rewards``, ``advantages.compute_targets``,
+``losses.ppo_loss``, ``metrics``; saving and loading is ``checkpointing.CheckpointMixin``; the
+math is in ``functional``. The layout and the data that flows between the phases:
+``docs/architecture.md``.
 
 Example:
 
