@@ -62,18 +62,8 @@ import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL keeps its PPO in trl.experimental
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-try:
-    import trl_ppo_ext  # noqa: F401
-except ModuleNotFoundError:  # run from a source checkout without `pip install -e .`
-    _ROOT = Path(__file__).resolve().parents[1]
-    if not (_ROOT / "trl_ppo_ext").is_dir():
-        raise
-    sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ppo_lora, verifiable_task (also under accelerate)
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _startup, ppo_lora, verifiable_task
+import _startup  # noqa: E402, F401  (env defaults; the package from a source checkout)
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from ppo_lora import DEMO_LORA_TARGETS, UpdateLineProgress, set_cpu_threads  # noqa: E402

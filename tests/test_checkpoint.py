@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from trl_ppo_ext import checkpoint as ckpt
-from trl_ppo_ext.checkpoint import (
+from trl_ppo_ext import checkpointing as ckpt
+from trl_ppo_ext.checkpointing import (
     atomic_checkpoint_dir,
     capture_rng_state,
     clean_temp_dirs,
@@ -153,7 +153,7 @@ CHILD = textwrap.dedent(
     """
     import importlib, os, signal, sys
 
-    ckpt = importlib.import_module(sys.argv[1])  # the package's checkpoint module (no torch import)
+    ckpt = importlib.import_module(sys.argv[1])  # the package's checkpointing module
     out, second = sys.argv[2], sys.argv[3]
 
     def write(folder, step, die):

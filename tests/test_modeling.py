@@ -463,7 +463,14 @@ def test_resolve_compute_dtype_refuses_bf16_where_unsupported(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_4bit_actor_critic_on_cuda_uses_bf16_and_trains(lm_dir, ids):
+    import bitsandbytes as bnb
+
     model = load_actor_critic(lm_dir, lora_r=4, lora_alpha=8, load_in_4bit=True)
+    # bf16 compute: the quantization config, every 4-bit layer's matmul, and the unquantized weights
+    assert model.policy.config.quantization_config.bnb_4bit_compute_dtype == torch.bfloat16
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.compute_dtype == torch.bfloat16 for m in layers)
+    assert model.policy.get_input_embeddings().weight.dtype == torch.bfloat16
     assert model.value_head.weight.device.type == "cuda"
     assert model.value_head.weight.dtype == torch.float32
     ids = ids.cuda()
@@ -475,11 +482,25 @@ def test_4bit_actor_critic_on_cuda_uses_bf16_and_trains(lm_dir, ids):
     assert model.value_head.weight.grad is not None
 
 
-def test_loaders_keep_their_old_import_path():
-    from trl_ppo_ext import loading, modeling
+def test_the_loaders_old_path_says_where_they_are_without_importing_loading():
+    import subprocess
+    import sys
 
-    assert modeling.load_actor_critic is loading.load_actor_critic
-    assert modeling.load_reward_model is loading.load_reward_model
-    assert modeling.resolve_model_source is loading.resolve_model_source
+    code = (
+        "import sys\n"
+        "from trl_ppo_ext import modeling\n"
+        "try:\n"
+        "    modeling.load_actor_critic\n"
+        "except AttributeError as err:\n"
+        "    print(err)\n"
+        "print('trl_ppo_ext.loading' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == ("trl_ppo_ext.modeling.load_actor_critic moved to trl_ppo_ext.loading: use "
+                        "`from trl_ppo_ext.loading import load_actor_critic`.")
+    assert lines[1] == "False"  # modeling never imports loading: no import circle
+    from trl_ppo_ext import modeling
+
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         modeling.nope

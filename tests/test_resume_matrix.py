@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig
 
 from trl_ppo_ext import PPOConfig, PPOTrainer
-from trl_ppo_ext.checkpoint import isolated_rng
+from trl_ppo_ext.checkpointing import isolated_rng
 from trl_ppo_ext.modeling import SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, random_word_prompts
 

@@ -218,8 +218,16 @@ def test_trl_config_is_accepted(tmp_path, make_trainer):
     if TRLPPOConfig is None:
         pytest.skip("the installed TRL has no PPOConfig (1.13 removed PPO)")
     trl_args = TRLPPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], total_episodes=4,
-                            per_device_train_batch_size=4, num_sample_generations=0)
+                            per_device_train_batch_size=4, num_sample_generations=0, kl_coef=0.123)
+    from dataclasses import fields
+
+    from trl_ppo_ext.trainer import _as_our_config
+
+    converted = _as_our_config(trl_args)  # built by PPOConfig's own constructor: every TRL value carries over
+    changed = [f.name for f in fields(trl_args) if f.init and getattr(converted, f.name) != getattr(trl_args, f.name)]
+    assert changed == []
     trainer = make_trainer(args=trl_args)
+    assert trainer.args.kl_coef == 0.123
     assert isinstance(trainer.args, PPOConfig)
     assert trainer.args.entropy_coef == 0.0 and trainer.args.whiten_advantages is True
 

@@ -168,8 +168,14 @@ def test_a_lora_adapter_on_the_embedding_trains(make_trainer, tok):
         r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM"))
     trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None,
                            total_episodes=4)
+    adapter = {n: p for n, p in trainer.unwrapped.named_parameters() if "lora_embedding" in n}
+    assert adapter and all(p.requires_grad for p in adapter.values())  # the embedding's LoRA A and B train
+    before = {n: p.detach().clone() for n, p in adapter.items()}
     trainer.train()
     assert trainer.state.global_step == 1
+    moved = [n for n, p in adapter.items() if not torch.equal(p.detach(), before[n])]
+    assert moved, "no weight of the embedding's LoRA adapter changed in the update"
+    assert all(torch.isfinite(p).all() for p in adapter.values())
 
 
 def test_the_trainer_warns_once_about_ignored_checkpoint_fields(make_trainer, make_models, tok, caplog):

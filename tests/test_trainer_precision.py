@@ -69,7 +69,7 @@ def test_value_head_is_fp32_under_autocast():
 def test_half_precision_trainable_weights_are_warned_about(make_trainer, make_models, tok, caplog):
     policy, ref, value, reward = make_models(tok)
     policy.to(torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.modeling"):
         make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     assert any("torch.bfloat16" in r.getMessage() and "torch_dtype=torch.float32" in r.getMessage()
                for r in caplog.records)

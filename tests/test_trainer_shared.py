@@ -45,9 +45,23 @@ def test_shared_actor_critic_trains_adapter_and_head_only_and_round_trips(tmp_pa
 
 def test_plain_policy_with_peft_config_and_no_value_model_builds_the_shared_model(make_trainer, assert_metrics):
     trainer = make_trainer(ref_model=None, value_model=None, peft_config=_lora(), total_episodes=4)
-    assert isinstance(trainer.unwrapped, SharedActorCritic)
+    shared = trainer.unwrapped
+    assert isinstance(shared, SharedActorCritic)
+    assert trainer.ref_model is None  # the reference is the policy with its adapter disabled
+    # the LoRA adapter of peft_config on the policy's targets, and a scalar value head on the hidden size
+    assert list(shared.policy.peft_config) == ["default"]
+    assert set(shared.policy.peft_config["default"].target_modules) == set(_lora().target_modules)
+    hidden = shared.policy.get_input_embeddings().weight.shape[1]
+    assert (shared.value_head.in_features, shared.value_head.out_features) == (hidden, 1)
+    trainable = {n for n, p in shared.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("value_head.") for n in trainable)
+    assert {"value_head.weight"} <= trainable
+    before = {n: p.detach().clone() for n, p in shared.named_parameters() if p.requires_grad}
     trainer.train()
     assert_metrics(trainer, n_updates=1)
+    after = dict(shared.named_parameters())
+    assert not torch.equal(after["value_head.weight"], before["value_head.weight"])  # the critic trained
+    assert any(not torch.equal(after[n], before[n]) for n in before if "lora_" in n)  # and the policy adapter
 
 
 def test_reference_logprobs_equal_the_untouched_base(make_trainer):

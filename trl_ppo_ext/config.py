@@ -4,6 +4,14 @@ Its base is TRL's ``PPOConfig`` where the installed TRL has one (1.0 - 1.12), el
 ``trl_ppo_ext._base.PPOConfigBase`` (the same fields on TRL's base config). Defaults equal
 TRL's, so a script that only swaps the import behaves the same apart from the fixes listed in
 the README. Readable by ``HfArgumentParser`` like every TRL config.
+
+Example:
+
+>>> import tempfile
+>>> from trl_ppo_ext import PPOConfig
+>>> args = PPOConfig(output_dir=tempfile.mkdtemp(), report_to=[], bf16=False)
+>>> args.kl_coef, args.kl_estimator, args.whiten_advantages, args.missing_eos_penalty
+(0.05, 'k1', True, None)
 """
 
 from __future__ import annotations

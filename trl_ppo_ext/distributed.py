@@ -3,6 +3,13 @@ DeepSpeed settings that PPO owns, ZeRO-3 parameter gathering, and where the froz
 
 Nothing here imports DeepSpeed unless DeepSpeed is in use: it is an optional extra
 (``pip install trl-ppo-ext[deepspeed]``).
+
+Example:
+
+>>> from types import SimpleNamespace
+>>> from trl_ppo_ext.distributed import zero_stage
+>>> print(zero_stage(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))))  # no DeepSpeed
+None
 """
 
 from __future__ import annotations

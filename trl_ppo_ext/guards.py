@@ -29,6 +29,13 @@ until it has fitted the returns -- so they start counting only after ``guard_war
 updates, the value guard also needs the value loss not to be falling, and by default they
 warn (once per episode of trouble) instead of halting: ``guard_action="halt"``, or
 ``halt_guards=[...]`` for single guards, makes them stop the run.
+
+Example:
+
+>>> from trl_ppo_ext.guards import GuardRails, GuardSettings
+>>> rails = GuardRails(GuardSettings(nonfinite_halt_after=2))
+>>> rails.nonfinite_step(1).halt, rails.nonfinite_step(2).halt  # halts at the second skipped step in a row
+(False, True)
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@
 sequence classifier. Both take ``load_in_4bit=True`` for a bitsandbytes nf4 base (bf16
 compute on CUDA, fp32 on the CPU). Kept apart from the model classes as PEFT keeps its
 quantized variants apart (``bnb.py``).
+
+Example:
+
+>>> from trl_ppo_ext.loading import resolve_model_source
+>>> resolve_model_source("Qwen/Qwen2.5-0.5B")  # a Hub id is passed on; a local folder must exist
+'Qwen/Qwen2.5-0.5B'
 """
 
 from __future__ import annotations

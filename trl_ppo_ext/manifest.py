@@ -12,6 +12,13 @@ the seed and the distributed topology. This module builds that record as plain J
 
 Everything returned is JSON-serialisable (:func:`to_jsonable` converts dtypes, enums,
 paths, sets, tensors and config objects; NaN/inf become strings, so the file is strict JSON).
+
+Example:
+
+>>> import torch
+>>> from trl_ppo_ext.manifest import to_jsonable
+>>> to_jsonable({"kl": torch.tensor(0.5), "steps": (1, 2)})
+{'kl': 0.5, 'steps': [1, 2]}
 """
 
 from __future__ import annotations
@@ -439,3 +446,55 @@ def finish_manifest(path: str | os.PathLike, stop_reason: str | None, status: st
     manifest.update(status=status, stop_reason=stop_reason, stopped_at=_now())
     write_manifest(path, manifest)
     return manifest
+
+
+class ManifestMixin:
+    """The trainer's run manifest (``run_manifest.json`` in ``output_dir``): written when
+    training starts, finished with the run's status when it ends. Mixed into ``PPOTrainer``;
+    reads its models, tokenizer, datasets, config, KL controller and rewards."""
+
+    def _manifest_path(self) -> str:
+        return manifest_path(self.args.output_dir)
+
+    def _write_manifest(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        shared = getattr(unwrapped, "is_actor_critic", False)
+        models = {"policy": model_identity(unwrapped.policy, "policy")}
+        if self.ref_model is None:
+            models["reference"] = {"role": "reference", "same_as": "policy with its adapter disabled",
+                                   "shared_with": ["policy"]}
+        else:
+            models["reference"] = model_identity(self.ref_model, "reference")
+        value = unwrapped if shared else unwrapped.value_model
+        models["value"] = model_identity(value, "value", shared_with=["policy"] if shared else ())
+        if self.reward_model is not None:
+            models["reward"] = model_identity(self.reward_model, "reward")
+        rewards = [
+            {"name": r.name, "weight": r.weight, "kind": "model" if r.is_model else "function",
+             **({} if r.is_model else {"qualname": getattr(r.source, "__qualname__", type(r.source).__name__),
+                                        "module": getattr(r.source, "__module__", None)})}
+            for r in self.rewards
+        ]
+        for r in self.rewards[1 if self.reward_model is not None else 0:]:
+            if r.is_model:
+                models[f"reward:{r.name}"] = model_identity(r.source, "reward")
+        generation = {
+            "response_length": self.args.response_length, "temperature": self.args.temperature, "top_k": 0,
+            "top_p": 1.0, "stop_token_id": self.stop_token_id, "stop_token_ids": list(self.stop_token_ids),
+            "pad_token_id": self.processing_class.pad_token_id,
+        }
+        hyper = self.args.to_dict()
+        hyper.update(kl_controller=self.kl_controller.state_dict(), resumed_from=getattr(self, "_resume_path", None),
+                     rewards=rewards)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        write_manifest(self._manifest_path(), build_manifest(
+            models=models, tokenizer=self.processing_class, train_dataset=self.train_dataset,
+            eval_dataset=self.eval_dataset, generation=generation, hyperparameters=hyper, seed=self.args.seed,
+            environment=environment_identity(self.accelerator),
+        ))
+
+    def _finish_manifest(self, status: str, reason: str | None) -> None:
+        if self.accelerator.is_main_process and os.path.exists(self._manifest_path()):
+            finish_manifest(self._manifest_path(), reason, status)

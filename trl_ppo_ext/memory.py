@@ -76,6 +76,9 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
+
+from .batching import BatchPlan
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -290,14 +293,24 @@ class PPORun:
         if self.shared and self.lora_r < 1:
             raise ValueError(f"lora_r={self.lora_r}: a shared-backbone set-up trains a LoRA adapter; pass a rank "
                              ">= 1 (16 is the default).")
-        if self.rollout_batch % self.num_mini_batches:
-            raise ValueError(f"num_mini_batches={self.num_mini_batches} does not divide the rollout batch "
-                             f"{self.rollout_batch}; pass one of its divisors.")
+        self.plan  # BatchPlan checks that num_mini_batches divides the rollout batch
+
+    @property
+    def plan(self) -> BatchPlan:
+        """The trainer's batch arithmetic for this device's share (one process, one PPO epoch,
+        one update): the sizes below are read from it, never re-derived here."""
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        sizes = SimpleNamespace(
+            per_device_train_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_mini_batches=self.num_mini_batches, num_ppo_epochs=1, total_episodes=batch,
+        )
+        return BatchPlan.from_config(sizes, world_size=1, dataset_len=batch)
 
     @property
     def rollout_batch(self) -> int:
         """``B``: sequences generated per update on this device."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+        return self.plan.local_batch_size
 
     @property
     def forward_batch(self) -> int:
@@ -307,7 +320,7 @@ class PPORun:
     @property
     def accumulates(self) -> bool:
         """More than one micro-batch per optimizer step: gradients meet activations."""
-        return self.rollout_batch // self.num_mini_batches > self.per_device_train_batch_size
+        return self.plan.micro_batches_per_mini_batch > 1
 
     @property
     def sequence_length(self) -> int:

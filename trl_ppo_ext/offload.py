@@ -23,6 +23,13 @@ never correctness.
 Without CUDA every call is a no-op (logged once per process): there is no GPU to free.
 Transfers are synchronous: each scoring pass costs one host-to-device and one
 device-to-host copy of the weights (a 7B model is about 4 GB in nf4, 14 GB in bf16).
+
+Example:
+
+>>> from torch import nn
+>>> from trl_ppo_ext.offload import module_devices
+>>> module_devices(nn.Linear(2, 2))
+{device(type='cpu')}
 """
 
 from __future__ import annotations

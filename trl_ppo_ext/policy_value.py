@@ -5,6 +5,13 @@ the collator's prompt mask and the response mask, never from comparing ids with 
 (with pad == EOS that would hide real EOS tokens).
 
 Notation: ``B`` sequences, ``L`` = prompt + response positions, ``V`` vocabulary.
+
+Example:
+
+>>> from torch import nn
+>>> from trl_ppo_ext.policy_value import is_checkpointing
+>>> is_checkpointing(nn.Linear(2, 2))
+False
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ A stop between two optimizer steps of one PPO update leaves a rollout half used.
 checkpoint then carries it as an :class:`InflightUpdate` (per process: the rollout, its
 advantages, the mini-batch order of the current PPO epoch and how far the update got), so the
 resumed run finishes that update exactly as the uninterrupted run would have.
+
+Example:
+
+>>> from trl_ppo_ext.preemption import inflight_filename
+>>> inflight_filename(1)  # the update a SIGTERM interrupted, as process 1 saves it
+'inflight_update_1.pt'
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ model is ``cat(queries, responses)``, ``(B, P + T)``; the response token ``t`` i
 by the logits at position ``P - 1 + t``, and ``V(s_t)`` is read at that same position. Models
 are asked for the logits of the last ``T + 1`` positions only (``logits_to_keep``): the
 prompt's logits would be ``P / (T + 1)`` times more memory for nothing.
+
+Example:
+
+>>> from trl_ppo_ext.rollout import effective_temperature
+>>> effective_temperature(0.0), effective_temperature(0.7)  # 0 samples near-greedily, as TRL does
+(1e-07, 0.7)
 """
 
 from __future__ import annotations

@@ -6,6 +6,13 @@ replaying everything before it. Here epoch ``e``'s order is ``randperm(n)`` from
 generator seeded with ``seed + e``: a resumed run sets the epoch and skips the batches it
 already consumed, and gets the same prompts in the same order. Every process builds the
 same permutation; accelerate's batch-sampler sharding then gives each process its share.
+
+Example:
+
+>>> from trl_ppo_ext.sampler import EpochSeededSampler
+>>> sampler = EpochSeededSampler(4, seed=0)
+>>> sorted(sampler), list(sampler) == list(sampler)  # a permutation, the same for the same epoch
+([0, 1, 2, 3], True)
 """
 
 from __future__ import annotations

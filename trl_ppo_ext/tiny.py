@@ -3,6 +3,13 @@
 Nothing here touches a model hub. The tokenizer is a ``tokenizers`` WordLevel vocabulary
 wrapped in ``PreTrainedTokenizerFast`` with a small chat template; the models are
 random-init ``LlamaConfig`` models sized by arguments.
+
+Example:
+
+>>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+>>> tok = build_tiny_tokenizer()
+>>> tok("w1 w2").input_ids, tok.pad_token, tok.padding_side
+([7, 8], '<pad>', 'left')
 """
 
 from __future__ import annotations

@@ -8,8 +8,18 @@ Same constructor as TRL's trainer. ``train()`` reads as
     for each update:  rollout -> score -> advantages -> update -> log
 
 and each phase is a method a subclass may override (``generate_rollout``, ``score_rollout``,
-``compute_advantages``, ``ppo_update``/``compute_loss_terms``, ``log_update``). The math is
-in ``trl_ppo_ext.functional``.
+``compute_advantages``, ``ppo_update``/``compute_loss_terms``, ``log_update``). A hook
+delegates to the module of its concept: ``rollout``, ``rewards``, ``advantages.compute_targets``,
+``losses.ppo_loss``, ``metrics``; saving and loading is ``checkpointing.CheckpointMixin``; the
+math is in ``functional``. The layout and the data that flows between the phases:
+``docs/architecture.md``.
+
+Example:
+
+>>> from trl_ppo_ext import PPOTrainer
+>>> phases = ("generate_rollout", "score_rollout", "compute_advantages", "ppo_update", "log_update")
+>>> all(callable(getattr(PPOTrainer, name)) for name in phases)  # each one overridable in a subclass
+True
 """
 
 from __future__ import annotations
@@ -33,16 +43,27 @@ from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
-from . import checkpoint as ckpt
+from . import checkpointing as ckpt
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
+from .advantages import PPOTargets, compute_targets, target_settings
 from .batching import BatchPlan
-from .checkpoint import clean_temp_dirs
+from .checkpointing import CheckpointMixin, clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
-from .distributed import configure_deepspeed, gathered, prepare_frozen_model, process_state
+from .distributed import configure_deepspeed, prepare_frozen_model, process_state
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
+from .losses import loss_settings, ppo_loss
+from .manifest import ManifestMixin
+from .metrics import evaluation_row, reward_statistics, show_completions, update_metrics, user_metric_rows
+from .modeling import (
+    disable_dropout,
+    embedding_rows,
+    scalar_head_outputs,
+    strip_fp32_output_wrapper,
+    warn_low_precision_trainables,
+)
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
@@ -67,7 +88,7 @@ from .rollout import (
     stop_token_ids,
     valid_token_ids,
 )
-from .run_state import CheckpointMixin, RunCounters
+from .run_state import RunCounters
 from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
@@ -82,92 +103,6 @@ class OnlineTrainerState(TrainerState):
     halted_by: str | None = None  # the guard's name
 
 
-@dataclass
-class PPOTargets:
-    """What the update trains toward, derived from a ``Rollout`` by ``compute_advantages``: the
-    scores and shaped per-token rewards, and from them the advantages (policy) and returns
-    (value). All ``(B, T)`` float32 unless noted; every field is 0 where ``response_mask`` is
-    False."""
-
-    scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
-    kl: torch.Tensor  # per-token KL estimate (the configured estimator)
-    non_score_rewards: torch.Tensor  # -kl_coef * kl
-    rewards: torch.Tensor  # shaped reward: non-score reward + score at the last valid token
-    advantages: torch.Tensor  # GAE advantages, whitened when `whiten_advantages`
-    returns: torch.Tensor  # value targets: raw advantages + old values
-    raw_advantage_mean: torch.Tensor  # () before whitening, for logging
-    raw_advantage_std: torch.Tensor  # () before whitening, for logging
-
-
-def _disable_dropout(model: nn.Module) -> list[tuple[object, str, float]]:
-    """Dropout off in every form: ``nn.Dropout`` modules, and the float probabilities that
-    attention layers read at forward time (``attention_dropout`` of Llama/Qwen, OPT's
-    ``dropout``), copied from the config into module attributes at build time, or read from
-    the config itself (GPT-Neo, Falcon).
-
-    PPO's ratio compares two forwards of the same weights; dropout would make it noise.
-    Returns ``(config, name, original value)`` of every config float set to 0, so that a
-    saved checkpoint can keep the user's values (see :func:`_config_values`).
-    """
-    zeroed = []
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
-                setattr(module, name, 0.0)
-        config = vars(module).get("config")
-        if config is not None and hasattr(config, "to_dict"):
-            for name, value in config.to_dict().items():
-                # a config shared by several modules is met again with 0.0 and not recorded twice
-                if "dropout" in name and isinstance(value, float) and value != 0.0 and hasattr(config, name):
-                    zeroed.append((config, name, value))
-                    setattr(config, name, 0.0)
-    return zeroed
-
-
-@contextmanager
-def _config_values(entries):
-    """Inside the block, each ``(config, name, value)`` of ``entries`` holds ``value``; the
-    current values come back on exit."""
-    current = [(config, name, getattr(config, name)) for config, name, _ in entries]
-    try:
-        for config, name, value in entries:
-            setattr(config, name, value)
-        yield
-    finally:
-        for config, name, value in reversed(current):
-            setattr(config, name, value)
-
-
-def _warn_low_precision_trainables(model: nn.Module) -> None:
-    """Say so when trainable weights are bf16/fp16: AdamW steps at PPO's learning rates (~1e-6)
-    are mostly below half precision's rounding step, and such weights barely move."""
-    low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        logger.warning(
-            "%d trainable parameter tensors are %s (e.g. %s): optimizer steps smaller than half precision's "
-            "rounding step are lost, so a full fine-tune barely moves. Load the trainable model in float32 "
-            "(torch_dtype=torch.float32) and train with bf16=True mixed precision, or train LoRA adapters.",
-            len(low), dict(model.named_parameters())[low[0]].dtype, low[0],
-        )
-
-
-def _embedding_rows(model: nn.Module) -> int:
-    """Rows of ``model``'s input embedding, through peft's wrapper when the embedding carries a
-    LoRA adapter (the wrapper has no ``num_embeddings``); read from the module, not the weight,
-    which ZeRO-3 partitions."""
-    embedding = model.get_input_embeddings()
-    return int(getattr(embedding, "base_layer", embedding).num_embeddings)
-
-
-def _scalar_head_outputs(model: nn.Module) -> int:
-    """Outputs of a sequence classifier's ``score`` head (its config's num_labels if it has none)."""
-    head = getattr(model, "score", None)
-    out = getattr(head, "out_features", None)
-    return int(out) if out is not None else int(getattr(getattr(model, "config", None), "num_labels", 1))
-
-
 def _mixed_precision(args) -> str:
     """The precision the config asks for, as transformers' Trainer reads it: ``fp16``/``bf16``
     from the config, else the launcher's (``accelerate launch --mixed_precision``), else no."""
@@ -176,19 +111,6 @@ def _mixed_precision(args) -> str:
     if getattr(args, "bf16", False):
         return "bf16"
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-
-
-def _strip_fp32_output_wrapper(model: nn.Module) -> None:
-    """Undo accelerate's mixed-precision forward patch on a prepared model.
-
-    Under autocast, ``accelerator.prepare`` makes the model's forward return every output in
-    fp32, a full ``(B, T+1, V)`` copy of the logits. The trainer runs every forward (policy,
-    reference, value, reward) inside ``accelerator.autocast()`` itself instead, so they all
-    share one precision context and log-probs are taken from the logits as produced.
-    """
-    if "_original_forward" in vars(model):
-        vars(model).pop("_original_forward")
-        vars(model).pop("forward", None)
 
 
 def _as_our_config(args) -> PPOConfig:
@@ -202,16 +124,13 @@ def _as_our_config(args) -> PPOConfig:
             f"`args` must be a {accepted}, got {type(args).__name__}. Build it with "
             "`trl_ppo_ext.PPOConfig(output_dir=..., ...)` (it takes every TRL PPOConfig field)."
         )
-    ours = object.__new__(PPOConfig)
-    ours.__dict__.update(args.__dict__)
-    for f in fields(PPOConfig):
-        if f.name not in ours.__dict__:
-            setattr(ours, f.name, f.default)
-    ours._check_ppo_fields()
-    return ours
+    # Every init field TRL's config has, with its value, through our constructor (so our
+    # __post_init__ checks run and our own fields take their defaults).
+    ours = {f.name for f in fields(PPOConfig) if f.init}
+    return PPOConfig(**{f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in ours})
 
 
-class PPOTrainer(CheckpointMixin, PPOTrainerBase):
+class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     """Drop-in replacement for TRL's ``PPOTrainer`` with correct token-level PPO math.
 
     Args are TRL's: ``args`` (a ``PPOConfig``), ``processing_class`` (tokenizer with a pad
@@ -257,7 +176,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         wrapper = self._build_policy_and_value(model, value_model, peft_config)
         self.stop_token_ids = self._resolve_generation(args, processing_class, wrapper.policy)
         self._apply_gradient_checkpointing(wrapper)
-        _warn_low_precision_trainables(wrapper)
+        warn_low_precision_trainables(wrapper)
         self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
         if eval_dataset is not None:
             self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
@@ -265,7 +184,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self.ref_model = self._build_reference(model, ref_model)
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
             entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model))
-            if m is not None for entry in _disable_dropout(m)
+            if m is not None for entry in disable_dropout(m)
         ]
 
         self._setup_batch_sizes(args)
@@ -335,7 +254,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         """Every reward model (``reward_model`` or one in ``reward_funcs``) has one output."""
         from_funcs = self.rewards[1:] if reward_model is not None else self.rewards
         for reward in self.rewards:
-            outputs = _scalar_head_outputs(reward.source) if reward.is_model else 1
+            outputs = scalar_head_outputs(reward.source) if reward.is_model else 1
             if outputs != 1:
                 where = ("`reward_model`" if reward.source is reward_model
                          else f"`reward_funcs[{from_funcs.index(reward)}]`")
@@ -541,7 +460,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         self.model, self.optimizer, self.dataloader = self.accelerator.prepare(
             self.model, self.optimizer, self.dataloader
         )
-        _strip_fp32_output_wrapper(self.unwrapped)  # every forward runs in `self.accelerator.autocast()`
+        strip_fp32_output_wrapper(self.unwrapped)  # every forward runs in `self.accelerator.autocast()`
         torch.manual_seed(self.local_seed)  # generation differs per process
         self.eval_dataloader = None
         if self.eval_dataset is not None:
@@ -665,22 +584,6 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
                 self._checkpoint_preempted(inflight=False)
                 return PREEMPTED, PREEMPTED
         return "completed", None
-
-    def _checkpoint_preempted(self, inflight: bool) -> None:
-        """Record the preemption and write a complete checkpoint (whatever ``save_strategy``):
-        ``checkpoint-<step>`` at an update boundary, else ``checkpoint-<step>-preempted`` holding
-        the update in progress (resumed first by ``resume_from_checkpoint=True``)."""
-        self.state.stop_reason = PREEMPTED
-        name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}" + (ckpt.PREEMPTED_SUFFIX if inflight else "")
-        path = os.path.join(self.args.output_dir, name)
-        just_saved = self._last_checkpoint == (self.state.global_step, path) and os.path.isdir(path)
-        if not inflight and just_saved:
-            self._record_stop_in_checkpoint(path)  # save_steps wrote this update's checkpoint: no second save
-        else:
-            self._save_checkpoint(self.model, folder_name=name)
-        self._inflight = None
-        logger.warning("SIGTERM: stopped after update %d%s; checkpoint %s written.", self.state.global_step,
-                       " and part of the next one" if inflight else "", name)
 
     def run_update(self, update: int) -> GuardDecision:
         """One PPO update; returns the guards' decision (``halt`` ends the run)."""
@@ -806,7 +709,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
             policy = unwrapped.policy
-            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, _embedding_rows(policy))
+            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
             config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
             with self.accelerator.autocast():
                 raw = generate_responses(
@@ -908,27 +811,9 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         model = model if model is not None else self.reward_model
         return reward_model_scores(model, part, inputs, self.accelerator.autocast)
 
-    @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> PPOTargets:
-        """Shaped rewards -> masked GAE -> masked global whitening."""
-        args, mask = self.args, rollout.response_mask
-        scores = rollout.scores
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~rollout.has_stop).float()
-        kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
-        rewards, non_score = F.shaped_rewards(
-            rollout.logprobs, rollout.ref_logprobs, scores, mask, self.kl_controller.value, args.kl_estimator, kl=kl
-        )
-        if args.whiten_rewards:
-            rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
-        advantages, returns = F.masked_gae(rewards, rollout.values, mask, args.gamma, args.lam)
-        raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
-        if args.whiten_advantages:
-            advantages = F.masked_global_whiten(advantages, mask)
-        return PPOTargets(
-            scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
-            returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
-        )
+        """The update's targets (``advantages.compute_targets``) at the KL controller's current coefficient."""
+        return compute_targets(rollout, kl_coef=self.kl_controller.value, **target_settings(self.args))
 
     def ppo_update(self, rollout: Rollout, adv: PPOTargets, update: int) -> tuple[dict, GuardDecision]:
         """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
@@ -997,7 +882,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         for part in self.plan.micro_batch_slices():
             micro = mini[part]
             with accelerator.accumulate(self.model):
-                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), _select_adv(adv, micro), num_tokens)
+                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), adv.select(micro), num_tokens)
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
                 accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
@@ -1076,68 +961,23 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
 
         ``num_tokens``: the valid-token count the token sums are divided by (the whole
         mini-batch's over every process, see ``functional.masked_token_mean``); None: this
-        micro-batch's own. The returned statistics are this micro-batch's token means.
+        micro-batch's own. The forward is here; the composition is ``losses.ppo_loss``, whose
+        statistics are this micro-batch's token means.
         """
-        args, mask = self.args, mb.response_mask
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
-        pg_loss, pg_stats = F.masked_clipped_surrogate(
-            new_logprobs, mb.logprobs, adv.advantages, mask, args.cliprange, num_tokens
+        return ppo_loss(
+            new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
+            advantages=adv.advantages, returns=adv.returns, response_mask=mb.response_mask, num_tokens=num_tokens,
+            **loss_settings(self.args),
         )
-        vf_loss, vf_stats = F.masked_clipped_value_loss(
-            new_values, mb.values, adv.returns, mask, args.cliprange_value, num_tokens
-        )
-        with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = F.masked_entropy(resp_logits, mask, num_tokens)
-        loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
-        with torch.no_grad():
-            # shares of the mini-batch mean -> this micro-batch's own token means, for logging
-            to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / mask.sum().clamp(min=1)
-            stats = {
-                "pg_loss": pg_loss.detach() * to_local, "vf_loss": vf_loss.detach() * to_local,
-                "entropy": entropy.detach() * to_local, "loss": loss.detach() * to_local,
-                "pg_clipfrac": pg_stats["clipfrac"], "vf_clipfrac": vf_stats["clipfrac"],
-                "approxkl": pg_stats["approxkl"], "ratio_mean": pg_stats["ratio_mean"],
-                "ratio_max": pg_stats["ratio_max"],
-            }
-        return loss, stats
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        """This update's statistics, averaged over every process (one gather for the token
-        statistics, one for the largest ratio, two for the per-reward columns)."""
-        mask = rollout.response_mask
-        lengths = mask.sum(1).float()
-        local = {
-            "objective/scores": adv.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
-            "objective/scores_before_penalty": rollout.scores.mean(),
-            "objective/non_score_reward": adv.non_score_rewards.sum(1).mean(),
-            "objective/rlhf_reward": adv.rewards.sum(1).mean(),
-            "objective/kl": adv.kl.sum(1).mean(),
-            "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
-            "policy/approxkl_avg": stats["approxkl"].mean(),
-            "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
-            "policy/entropy_avg": stats["entropy"].mean(),
-            "loss/policy_avg": stats["pg_loss"].mean(),
-            "loss/value_avg": stats["vf_loss"].mean(),
-            "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
-            "val/explained_variance": F.masked_explained_variance(rollout.values, adv.returns, mask),
-            "val/ratio": stats["ratio_mean"].mean(),
-            "val/ratio_var": stats["ratio_mean"].var(unbiased=False),
-            "val/advantage_mean": adv.raw_advantage_mean,
-            "val/advantage_std": adv.raw_advantage_std,
-            "val/response_length": lengths.mean(),
-            "val/eos_rate": rollout.has_stop.float().mean(),
-            "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
-            "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(float("nan")),
-        }
-        names = list(local)
-        values = torch.stack([local[k].float().to(self.accelerator.device) for k in names])
-        means = self.accelerator.gather(values[None]).reshape(-1, len(names)).mean(0)
-        ratio_max = self.accelerator.gather(stats["ratio_max"].max()[None].to(self.accelerator.device)).max()
-        metrics = {k: float(v) for k, v in zip(names, means.tolist())}
-        metrics["val/ratio_max"] = float(ratio_max)
+        """This update's statistics, averaged over every process (``metrics.update_metrics``),
+        the per-reward columns and the run's counters."""
+        metrics = update_metrics(rollout, adv, stats, gather=self.accelerator.gather, device=self.accelerator.device)
         metrics.update(self._reward_metrics(rollout))
         metrics["policy/lag"] = float(self.counters.rollout_age)
         metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
@@ -1145,19 +985,12 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return metrics
 
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """``rewards/<name>/mean`` and ``/std`` of each reward over the completions it applies to,
-        on every process (population std; NaN when it applied to none)."""
-        if rollout.reward_values is None:  # a score_rollout override that keeps no per-reward columns
+        """``rewards/<name>/mean`` and ``/std`` (see ``metrics.reward_statistics``); none for a
+        ``score_rollout`` override that keeps no per-reward columns."""
+        if rollout.reward_values is None:
             return {}
-        values = self.accelerator.gather(rollout.reward_values).double()  # (B_all, F)
-        applies = self.accelerator.gather(rollout.reward_applies)
-        count = applies.sum(0)  # (F,); 0 / 0 below is the NaN of a reward that applied to none
-        mean = torch.where(applies, values, 0.0).sum(0) / count
-        std = (torch.where(applies, (values - mean).square(), 0.0).sum(0) / count).sqrt()
-        metrics = {}
-        for reward, m, sd in zip(self.rewards, mean.tolist(), std.tolist()):  # one host copy for all rewards
-            metrics[f"rewards/{reward.name}/mean"], metrics[f"rewards/{reward.name}/std"] = m, sd
-        return metrics
+        return reward_statistics(rollout.reward_values, rollout.reward_applies,
+                                 [f"rewards/{r.name}" for r in self.rewards], gather=self.accelerator.gather)
 
     def log_update(self, metrics: dict[str, float]) -> None:
         """Advance the step/episode counters and log ``metrics`` (plus lr, eps, episode)."""
@@ -1217,75 +1050,13 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         with ckpt.isolated_rng(seed=self.args.seed):
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
-                row = {
-                    "eval/rm_score": r.scores,
-                    "eval/response_length": r.response_mask.sum(1),
-                    "eval/kl": F.kl_penalty(r.logprobs, r.ref_logprobs, self.args.kl_estimator)
-                    .masked_fill(~r.response_mask, 0.0).sum(1),
-                }
-                for k, reward in enumerate(self.rewards if r.reward_values is not None else []):
-                    # NaN where it does not apply (nanmean below); a lone RM is eval/rm_score already
-                    if len(self.rewards) > 1 or not reward.is_model:
-                        row[f"eval/{reward.name}"] = r.reward_values[:, k]
-                if self.eval_metrics:
-                    prompt_ids, completion_ids = valid_token_ids(r)
-                    prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
-                    # Completions keep their special tokens: whether one ended with EOS is often what a
-                    # held-out metric checks.
-                    completions = tok.batch_decode(completion_ids)
-                for name, fn in self.eval_metrics.items():
-                    row[f"eval/{name}"] = torch.tensor([float(v) for v in fn(prompts, completions)])
+                row = evaluation_row(r, self.rewards, self.args.kl_estimator)
+                row.update(user_metric_rows(self.eval_metrics, tok, r))
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
         return {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
 
     # ------------------------------------------------------------------ outputs
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy (or adapter) for inference; a shared actor-critic also saves its value
-        head. The saved config keeps the dropout values it came with (training runs with 0)."""
-        with _config_values(getattr(self, "_dropout_in_configs", ())):
-            self._save_policy(output_dir or self.args.output_dir, _internal_call)
-
-    def _save_policy(self, output_dir: str, _internal_call: bool) -> None:
-        unwrapped = self.unwrapped
-        if self.is_deepspeed_enabled:
-            return self._save_model_deepspeed(output_dir, _internal_call)
-        if getattr(unwrapped, "is_actor_critic", False):
-            self.accelerator.wait_for_everyone()
-            if self.args.should_save:
-                unwrapped.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            if self.args.push_to_hub and not _internal_call:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-            return
-        wrapped = self.model
-        self.model = unwrapped  # TRL's save_model saves `self.model.policy`
-        try:
-            super().save_model(output_dir, _internal_call)
-        finally:
-            self.model = wrapped
-
-    def _save_model_deepspeed(self, output_dir: str, _internal_call: bool) -> None:
-        """``save_model`` under DeepSpeed: every process takes part (ZeRO-3 gathers the saved
-        weights: the adapter and value head of a LoRA model, the whole policy of a full
-        fine-tune), the main process writes. TRL/transformers' own DeepSpeed save path expects
-        the engine where TRL puts the bare policy, and fails."""
-        unwrapped = self.unwrapped
-        target = unwrapped if getattr(unwrapped, "is_actor_critic", False) else unwrapped.policy
-        is_adapter = getattr(unwrapped, "is_actor_critic", False) or self.is_peft_model
-        saved = [p for p in target.parameters() if p.requires_grad or not is_adapter]
-        self.accelerator.wait_for_everyone()
-        with gathered(saved):
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                target.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        self.accelerator.wait_for_everyone()
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False):
         """Sample completions for ``eval_dataset`` at low temperature, score them, print a table.
@@ -1323,26 +1094,7 @@ class PPOTrainer(CheckpointMixin, PPOTrainerBase):
         return pd.DataFrame(table)
 
     def _show_completions(self, df) -> None:
-        head = df.iloc[:5]
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            print(head.to_string())
-        else:
-            table = Table(show_lines=True)
-            for column in head.columns:
-                table.add_column(str(column))
-            for row in head.itertuples(index=False):
-                table.add_row(*[str(x) for x in row])
-            Console().print(table)
-        if "wandb" in self.args.report_to:
-            import wandb
-
-            if wandb.run is not None:
-                wandb.log({"completions": wandb.Table(dataframe=df)})
-
-
+        show_completions(df, self.args.report_to)
 
 
 def _scaler_found_inf(scaler, optimizer) -> bool:
@@ -1357,11 +1109,3 @@ def _scaler_found_inf(scaler, optimizer) -> bool:
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-micro-batch scalars -> one ``(n,)`` tensor per statistic."""
     return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
-
-
-def _select_adv(adv: PPOTargets, index: torch.Tensor) -> PPOTargets:
-    """The rows ``index`` of every per-sequence/per-token field; scalars are kept."""
-    return PPOTargets(
-        **{f.name: (v[index] if torch.is_tensor(v) and v.dim() > 0 else v)
-           for f in fields(adv) for v in [getattr(adv, f.name)]}
-    )

@@ -1,0 +1,132 @@
+"""metrics.py without a trainer: update, reward and evaluation statistics on hand-made tensors."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_ppo_ext.advantages import PPOTargets
+from trl_ppo_ext.metrics import (
+    evaluation_row,
+    reward_statistics,
+    show_completions,
+    update_metrics,
+    update_statistics,
+    user_metric_rows,
+)
+from trl_ppo_ext.rollout import Rollout
+
+
+def identity(t):
+    return t
+
+
+def rollout(**changes):
+    # row 0: 2 valid tokens, ended by a stop token; row 1: all 3 valid, no stop (truncated)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    fields = dict(
+        queries=torch.ones(2, 1, dtype=torch.long), query_mask=torch.ones(2, 1, dtype=torch.bool),
+        responses=torch.tensor([[7, 3, 0], [7, 8, 9]]), response_mask=mask,
+        logprobs=torch.tensor([[-1.0, -2.0, -5.0], [-1.0, -1.0, -1.0]]), ref_logprobs=torch.zeros(2, 3),
+        values=torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]), scores=torch.tensor([1.0, 3.0]),
+        has_stop=torch.tensor([True, False]),
+    )
+    fields.update(changes)
+    return Rollout(**fields)
+
+
+def targets():
+    return PPOTargets(
+        scores=torch.tensor([1.0, 2.0]), kl=torch.tensor([[0.5, 0.5, 0.0], [1.0, 1.0, 1.0]]),
+        non_score_rewards=torch.tensor([[-0.1, -0.1, 0.0], [-0.2, -0.2, -0.2]]),
+        rewards=torch.tensor([[-0.1, 0.9, 0.0], [-0.2, -0.2, 1.8]]), advantages=torch.zeros(2, 3),
+        returns=torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]),
+        raw_advantage_mean=torch.tensor(0.25), raw_advantage_std=torch.tensor(0.75),
+    )
+
+
+STATS = {
+    "pg_loss": torch.tensor([1.0, 3.0]), "vf_loss": torch.tensor([0.5, 1.5]), "entropy": torch.tensor([2.0, 4.0]),
+    "approxkl": torch.tensor([0.1, 0.3]), "pg_clipfrac": torch.tensor([0.0, 0.5]),
+    "vf_clipfrac": torch.tensor([0.25, 0.25]), "ratio_mean": torch.tensor([0.9, 1.1]),
+    "ratio_max": torch.tensor([1.2, 1.4]), "grad_norm": torch.tensor([2.0, 6.0]),
+}
+
+
+def test_update_statistics_by_hand():
+    m = {k: v.item() for k, v in update_statistics(rollout(), targets(), STATS).items()}
+    assert m["objective/scores"] == 1.5 and m["objective/scores_before_penalty"] == 2.0
+    assert m["objective/kl"] == pytest.approx((1.0 + 3.0) / 2)  # summed per response, mean over rows
+    assert m["objective/non_score_reward"] == pytest.approx((-0.2 - 0.6) / 2)
+    assert m["objective/rlhf_reward"] == pytest.approx((0.8 + 1.4) / 2)
+    assert m["objective/entropy"] == pytest.approx((3.0 + 3.0) / 2)  # -logprob summed over valid tokens
+    assert m["loss/policy_avg"] == 2.0 and m["loss/value_avg"] == 1.0 and m["policy/entropy_avg"] == 3.0
+    assert m["val/ratio"] == pytest.approx(1.0) and m["val/ratio_var"] == pytest.approx(0.01)  # population var
+    assert m["val/explained_variance"] == pytest.approx(1.0)  # values equal the returns
+    assert m["val/response_length"] == 2.5 and m["val/eos_rate"] == 0.5
+    assert m["val/truncation_rate"] == 0.5  # row 1: no stop and all 3 positions used
+    assert m["val/advantage_mean"] == 0.25 and m["val/advantage_std"] == 0.75
+    assert m["policy/grad_norm"] == 4.0
+
+
+def test_update_metrics_averages_over_processes_and_takes_the_largest_ratio():
+    # Two "processes": the second reports the same statistics doubled (a fake gather that appends it).
+    def gather(t):
+        return torch.cat([t, 2 * t])
+
+    metrics = update_metrics(rollout(), targets(), STATS, gather=gather, device="cpu")
+    assert metrics["loss/policy_avg"] == pytest.approx((2.0 + 4.0) / 2)
+    assert metrics["val/ratio_max"] == pytest.approx(2.8)  # 2 * 1.4
+    assert list(metrics)[-1] == "val/ratio_max"
+    no_norm = update_metrics(rollout(), targets(), {k: v for k, v in STATS.items() if k != "grad_norm"},
+                             gather=identity, device="cpu")
+    assert math.isnan(no_norm["policy/grad_norm"])
+
+
+def test_reward_statistics_counts_only_where_a_reward_applies():
+    values = torch.tensor([[1.0, 9.0], [3.0, 9.0]])
+    applies = torch.tensor([[True, False], [True, False]])
+    stats = reward_statistics(values, applies, ["a", "b"], gather=identity)
+    assert stats["a/mean"] == 2.0 and stats["a/std"] == 1.0  # population std of 1, 3
+    assert math.isnan(stats["b/mean"]) and math.isnan(stats["b/std"])  # applied to none
+
+
+def test_evaluation_row_sums_kl_and_names_each_reward_column():
+    rewards = [SimpleNamespace(name="rm", is_model=True), SimpleNamespace(name="fmt", is_model=False)]
+    r = rollout(reward_values=torch.tensor([[1.0, 0.5], [3.0, float("nan")]]),
+                reward_applies=torch.tensor([[True, True], [True, False]]))
+    row = evaluation_row(r, rewards, "k1")
+    assert row["eval/kl"].tolist() == [-3.0, -3.0]  # k1 = logp - ref summed over valid tokens
+    assert row["eval/response_length"].tolist() == [2, 3]
+    assert row["eval/rm_score"].tolist() == [1.0, 3.0]
+    assert row["eval/fmt"].tolist()[0] == 0.5 and math.isnan(row["eval/fmt"].tolist()[1])
+    assert row["eval/rm"].tolist() == [1.0, 3.0]
+    # a lone reward model is eval/rm_score already
+    assert set(evaluation_row(r, rewards[:1], "k1")) == {"eval/rm_score", "eval/response_length", "eval/kl"}
+
+
+def test_user_metric_rows_decode_prompts_and_completions(tok):
+    words = tok.convert_tokens_to_ids(["w1", "w2", "w3"])
+    r = rollout(queries=torch.tensor([[words[0]], [words[1]]]),
+                responses=torch.tensor([[words[2], tok.eos_token_id, 0], [words[2]] * 3]))
+    seen = {}
+
+    def length(prompts, completions):
+        seen["prompts"], seen["completions"] = prompts, completions
+        return [len(c.split()) for c in completions]
+
+    rows = user_metric_rows({"words": length}, tok, r)
+    assert seen["prompts"] == ["w1", "w2"]
+    assert seen["completions"] == ["w3 <eos>", "w3 w3 w3"]  # completions keep their special tokens
+    assert rows["eval/words"].tolist() == [2.0, 3.0]
+    assert user_metric_rows({}, tok, r) == {}
+
+
+def test_show_completions_prints_the_first_five_rows(capsys):
+    import pandas as pd
+
+    df = pd.DataFrame({"query": [f"q{i}" for i in range(7)], "score": list(range(7))})
+    show_completions(df, report_to=[])
+    out = capsys.readouterr().out
+    assert "q4" in out and "q5" not in out and "query" in out

@@ -1,0 +1,119 @@
+"""What the PPO update trains toward: :class:`PPOTargets`, computed from a scored ``Rollout``
+by the pure :func:`compute_targets` (no trainer, no model, no optimizer).
+
+The steps, all over ``response_mask`` only (``(B, T)`` bool, True = a response token that
+counts):
+
+1. ``scores`` ``(B,)``: the rollout's reward, minus ``missing_eos_penalty`` for every response
+   that did not end with a stop token (TRL's rule);
+2. ``kl`` ``(B, T)``: the per-token KL estimate (``kl_estimator``) of the policy against the
+   reference, 0 on padding;
+3. ``rewards`` ``(B, T)``: ``-kl_coef * kl`` on every token plus the score at the last valid
+   token (``functional.shaped_rewards``), optionally whitened keeping the mean;
+4. GAE advantages and returns (``functional.masked_gae``), the advantages optionally whitened
+   over the whole batch (every process).
+
+Example:
+
+>>> import torch
+>>> from trl_ppo_ext.advantages import compute_targets
+>>> from trl_ppo_ext.rollout import Rollout
+>>> mask = torch.tensor([[True, True, False]])
+>>> rollout = Rollout(queries=torch.ones(1, 1, dtype=torch.long), query_mask=mask[:, :1],
+...                   responses=torch.ones(1, 3, dtype=torch.long), response_mask=mask,
+...                   logprobs=torch.zeros(1, 3), ref_logprobs=torch.zeros(1, 3),
+...                   values=torch.zeros(1, 3), scores=torch.tensor([1.0]),
+...                   has_stop=torch.tensor([False]))
+>>> t = compute_targets(rollout, kl_coef=0.1, kl_estimator="k1", missing_eos_penalty=0.25,
+...                     whiten_rewards=False, whiten_advantages=False, gamma=1.0, lam=1.0)
+>>> t.scores.tolist(), t.rewards.tolist(), t.advantages.tolist()
+([0.75], [[0.0, 0.75, 0.0]], [[0.75, 0.75, 0.0]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from . import functional as F
+from .rollout import Rollout
+
+
+@dataclass
+class PPOTargets:
+    """What the update trains toward, derived from a ``Rollout`` by :func:`compute_targets`:
+    the scores and shaped per-token rewards, and from them the advantages (policy) and returns
+    (value). All ``(B, T)`` float32 unless noted; every field is 0 where ``response_mask`` is
+    False."""
+
+    scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
+    kl: torch.Tensor  # per-token KL estimate (the configured estimator)
+    non_score_rewards: torch.Tensor  # -kl_coef * kl
+    rewards: torch.Tensor  # shaped reward: non-score reward + score at the last valid token
+    advantages: torch.Tensor  # GAE advantages, whitened when `whiten_advantages`
+    returns: torch.Tensor  # value targets: raw advantages + old values
+    raw_advantage_mean: torch.Tensor  # () before whitening, for logging
+    raw_advantage_std: torch.Tensor  # () before whitening, for logging
+
+    def select(self, index: torch.Tensor | slice) -> PPOTargets:
+        """The rows ``index`` of every per-sequence/per-token field; the scalars are kept."""
+        return PPOTargets(
+            **{f.name: (v[index] if torch.is_tensor(v) and v.dim() > 0 else v)
+               for f in fields(self) for v in [getattr(self, f.name)]}
+        )
+
+
+# The config fields compute_targets reads (PPOConfig's names); the KL coefficient comes from the KL controller.
+TARGET_FIELDS = ("kl_estimator", "missing_eos_penalty", "whiten_rewards", "whiten_advantages", "gamma", "lam")
+
+
+def target_settings(args) -> dict:
+    """The keyword arguments of :func:`compute_targets` read from a config (any object with the
+    ``TARGET_FIELDS`` attributes), all but ``kl_coef``."""
+    return {name: getattr(args, name) for name in TARGET_FIELDS}
+
+
+@torch.no_grad()
+def compute_targets(
+    rollout: Rollout,
+    *,
+    kl_coef: float,
+    kl_estimator: str,
+    missing_eos_penalty: float | None,
+    whiten_rewards: bool,
+    whiten_advantages: bool,
+    gamma: float,
+    lam: float,
+) -> PPOTargets:
+    """Shaped rewards -> masked GAE -> masked global whitening (see the module docstring).
+
+    Args:
+        rollout: reads ``scores`` ``(B,)``, ``has_stop`` ``(B,)`` bool, ``logprobs``,
+            ``ref_logprobs``, ``values`` ``(B, T)`` and ``response_mask`` ``(B, T)`` bool.
+        kl_coef: the KL coefficient of this update (the KL controller's current value).
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see ``functional.kl_penalty``).
+        missing_eos_penalty: subtracted from the score of every response without a stop
+            token; None: no penalty.
+        whiten_rewards, whiten_advantages, gamma, lam: as in ``PPOConfig``.
+
+    The rollout is not modified.
+    """
+    mask = rollout.response_mask
+    scores = rollout.scores
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
+    kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, kl_estimator).masked_fill(~mask, 0.0)
+    rewards, non_score = F.shaped_rewards(
+        rollout.logprobs, rollout.ref_logprobs, scores, mask, kl_coef, kl_estimator, kl=kl
+    )
+    if whiten_rewards:
+        rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
+    advantages, returns = F.masked_gae(rewards, rollout.values, mask, gamma, lam)
+    raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
+    if whiten_advantages:
+        advantages = F.masked_global_whiten(advantages, mask)
+    return PPOTargets(
+        scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
+        returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
+    )

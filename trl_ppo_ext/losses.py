@@ -1,0 +1,99 @@
+"""The PPO loss of one micro-batch, composed from ``functional``'s terms, with detached stats.
+
+::
+
+    loss = clipped surrogate + vf_coef * clipped value loss - entropy_coef * entropy
+
+every term a token mean over ``response_mask`` (``(B, T)`` bool, True = a response token
+that counts), divided by ``num_tokens`` when given (the valid-token count of the whole
+mini-batch on every process, so that micro-batch losses add up to the mini-batch mean; see
+``functional.masked_token_mean``). The model is torchtune's ``PPOLoss.forward``: one pure
+function that composes the terms and returns what is logged, detached.
+
+Example (equal old and new log-probs: ratio 1, surrogate ``-mean(A)``):
+
+>>> import torch
+>>> from trl_ppo_ext.losses import ppo_loss
+>>> mask = torch.tensor([[True, True, False]])
+>>> logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: entropy log(4)
+>>> loss, stats = ppo_loss(
+...     torch.zeros(1, 3), logits, torch.tensor([[1.0, 2.0, 0.0]]),
+...     old_logprobs=torch.zeros(1, 3), old_values=torch.tensor([[1.0, 2.0, 0.0]]),
+...     advantages=torch.tensor([[1.0, 3.0, 0.0]]), returns=torch.tensor([[2.0, 2.0, 0.0]]),
+...     response_mask=mask, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0)
+>>> round(stats["pg_loss"].item(), 4), round(stats["vf_loss"].item(), 4), round(loss.item(), 4)
+(-2.0, 0.25, -1.975)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+
+# The config fields ppo_loss reads (PPOConfig's names).
+LOSS_FIELDS = ("cliprange", "cliprange_value", "vf_coef", "entropy_coef")
+
+
+def loss_settings(args) -> dict:
+    """The keyword arguments of :func:`ppo_loss` read from a config (any object with the
+    ``LOSS_FIELDS`` attributes)."""
+    return {name: getattr(args, name) for name in LOSS_FIELDS}
+
+
+def ppo_loss(
+    new_logprobs: torch.Tensor,
+    logits: torch.Tensor,
+    new_values: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor,
+    old_values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+    cliprange_value: float | None,
+    vf_coef: float,
+    entropy_coef: float,
+    num_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO loss (see the module docstring) and its statistics.
+
+    Args:
+        new_logprobs: ``log pi(a_t|s_t)`` of the policy being trained, ``(B, T)``.
+        logits: the policy's response logits ``(B, T, V)``, for the entropy bonus; its graph
+            is only kept for the entropy when ``entropy_coef > 0``.
+        new_values: ``V(s_t)`` of the critic being trained, ``(B, T)``.
+        old_logprobs, old_values: the rollout's, ``(B, T)``.
+        advantages, returns: the targets (``advantages.PPOTargets``), ``(B, T)``.
+        response_mask: bool ``(B, T)``.
+        cliprange, cliprange_value, vf_coef, entropy_coef: as in ``PPOConfig``.
+        num_tokens: the divisor of every token sum (see the module docstring); None: this
+            micro-batch's own valid-token count.
+
+    Returns:
+        ``(loss, stats)``: the differentiable scalar loss, and detached scalars that are this
+        micro-batch's own token means whatever ``num_tokens`` is: ``pg_loss``, ``vf_loss``,
+        ``entropy``, ``loss``, ``pg_clipfrac``, ``vf_clipfrac``, ``approxkl``, ``ratio_mean``,
+        ``ratio_max``.
+    """
+    pg_loss, pg_stats = F.masked_clipped_surrogate(
+        new_logprobs, old_logprobs, advantages, response_mask, cliprange, num_tokens
+    )
+    vf_loss, vf_stats = F.masked_clipped_value_loss(
+        new_values, old_values, returns, response_mask, cliprange_value, num_tokens
+    )
+    with torch.set_grad_enabled(entropy_coef > 0 and torch.is_grad_enabled()):
+        entropy = F.masked_entropy(logits, response_mask, num_tokens)
+    loss = pg_loss + vf_coef * vf_loss - entropy_coef * entropy
+    with torch.no_grad():
+        # shares of the mini-batch mean -> this micro-batch's own token means, for logging
+        to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / response_mask.sum().clamp(min=1)
+        stats = {
+            "pg_loss": pg_loss.detach() * to_local, "vf_loss": vf_loss.detach() * to_local,
+            "entropy": entropy.detach() * to_local, "loss": loss.detach() * to_local,
+            "pg_clipfrac": pg_stats["clipfrac"], "vf_clipfrac": vf_stats["clipfrac"],
+            "approxkl": pg_stats["approxkl"], "ratio_mean": pg_stats["ratio_mean"],
+            "ratio_max": pg_stats["ratio_max"],
+        }
+    return loss, stats

@@ -1,0 +1,164 @@
+"""What a PPO run logs, computed from a ``Rollout``, its ``PPOTargets`` and the update's loss
+statistics; and the completions table it prints.
+
+The functions take the cross-process ``gather`` as an argument (accelerate's
+``Accelerator.gather``; an identity on one process), so every statistic is the same on every
+process and each one can be checked on plain tensors without a trainer.
+
+Shapes: ``B`` sequences, ``T`` response positions; ``response_mask`` ``(B, T)`` bool, True =
+a response token that counts. Loss statistics are ``(n,)`` tensors, one value per
+micro-batch (see ``PPOTrainer.ppo_update``).
+
+Example (the per-reward columns of two rewards over three completions):
+
+>>> import torch
+>>> from trl_ppo_ext.metrics import reward_statistics
+>>> values = torch.tensor([[1.0, 0.0], [3.0, 5.0], [5.0, 0.0]])
+>>> applies = torch.tensor([[True, False], [True, True], [True, False]])
+>>> reward_statistics(values, applies, ["accuracy", "format"], gather=lambda t: t)
+{'accuracy/mean': 3.0, 'accuracy/std': 1.632993161855452, 'format/mean': 5.0, 'format/std': 0.0}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import functional as F
+from .rollout import Rollout, valid_token_ids
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This process's statistics of one update, as 0-dim tensors (TRL's metric names).
+
+    ``targets`` is the update's ``advantages.PPOTargets``; ``stats`` the ``(n,)`` loss
+    statistics (``pg_loss``, ``vf_loss``, ``entropy``, ``approxkl``, ``pg_clipfrac``,
+    ``vf_clipfrac``, ``ratio_mean``, optionally ``grad_norm``). ``val/ratio_max`` is not
+    here: it is a maximum, not a mean (see :func:`update_metrics`).
+    """
+    mask = rollout.response_mask
+    lengths = mask.sum(1).float()
+    return {
+        "objective/scores": targets.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
+        "objective/scores_before_penalty": rollout.scores.mean(),
+        "objective/non_score_reward": targets.non_score_rewards.sum(1).mean(),
+        "objective/rlhf_reward": targets.rewards.sum(1).mean(),
+        "objective/kl": targets.kl.sum(1).mean(),
+        "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
+        "policy/approxkl_avg": stats["approxkl"].mean(),
+        "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
+        "policy/entropy_avg": stats["entropy"].mean(),
+        "loss/policy_avg": stats["pg_loss"].mean(),
+        "loss/value_avg": stats["vf_loss"].mean(),
+        "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
+        "val/explained_variance": F.masked_explained_variance(rollout.values, targets.returns, mask),
+        "val/ratio": stats["ratio_mean"].mean(),
+        "val/ratio_var": stats["ratio_mean"].var(unbiased=False),
+        "val/advantage_mean": targets.raw_advantage_mean,
+        "val/advantage_std": targets.raw_advantage_std,
+        "val/response_length": lengths.mean(),
+        "val/eos_rate": rollout.has_stop.float().mean(),
+        "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
+        "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(float("nan")),
+    }
+
+
+@torch.no_grad()
+def update_metrics(
+    rollout: Rollout, targets, stats: dict[str, torch.Tensor], *, gather: Gather, device: torch.device | str,
+) -> dict[str, float]:
+    """:func:`update_statistics` averaged over every process (one ``gather`` for all of
+    them) and ``val/ratio_max``, the largest ratio of any process (a second one)."""
+    local = update_statistics(rollout, targets, stats)
+    names = list(local)
+    values = torch.stack([local[k].float().to(device) for k in names])
+    means = gather(values[None]).reshape(-1, len(names)).mean(0)
+    ratio_max = gather(stats["ratio_max"].max()[None].to(device)).max()
+    metrics = {k: float(v) for k, v in zip(names, means.tolist())}
+    metrics["val/ratio_max"] = float(ratio_max)
+    return metrics
+
+
+def reward_statistics(
+    values: torch.Tensor, applies: torch.Tensor, names: Sequence[str], *, gather: Gather
+) -> dict[str, float]:
+    """``<name>/mean`` and ``<name>/std`` of each reward over the completions it applies to,
+    on every process.
+
+    Args:
+        values: ``(B, F)`` each reward's value per completion (``Rollout.reward_values``).
+        applies: ``(B, F)`` bool, whether reward ``f`` applies to completion ``b``.
+        names: the ``F`` reward names.
+        gather: concatenates a tensor's rows over the processes.
+
+    Population std; NaN for a reward that applied to no completion.
+    """
+    values = gather(values).double()  # (B_all, F)
+    applies = gather(applies)
+    count = applies.sum(0)  # (F,); 0 / 0 below is the NaN of a reward that applied to none
+    mean = torch.where(applies, values, 0.0).sum(0) / count
+    std = (torch.where(applies, (values - mean).square(), 0.0).sum(0) / count).sqrt()
+    metrics = {}
+    for name, m, sd in zip(names, mean.tolist(), std.tolist()):  # one host copy for all rewards
+        metrics[f"{name}/mean"], metrics[f"{name}/std"] = m, sd
+    return metrics
+
+
+def evaluation_row(rollout: Rollout, rewards: Sequence, kl_estimator: str) -> dict[str, torch.Tensor]:
+    """The held-out statistics of one batch, ``(B,)`` per name: ``eval/rm_score``,
+    ``eval/response_length``, ``eval/kl`` (``kl_estimator`` summed over each response) and,
+    when the rollout keeps per-reward columns, ``eval/<reward name>`` for each reward (NaN
+    where it does not apply; a lone reward model is ``eval/rm_score`` already).
+
+    ``rewards``: the run's rewards in column order (objects with ``name`` and ``is_model``).
+    """
+    row = {
+        "eval/rm_score": rollout.scores,
+        "eval/response_length": rollout.response_mask.sum(1),
+        "eval/kl": F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, kl_estimator)
+        .masked_fill(~rollout.response_mask, 0.0).sum(1),
+    }
+    for k, reward in enumerate(rewards if rollout.reward_values is not None else []):
+        if len(rewards) > 1 or not reward.is_model:
+            row[f"eval/{reward.name}"] = rollout.reward_values[:, k]
+    return row
+
+
+def user_metric_rows(eval_metrics: dict, tokenizer, rollout: Rollout) -> dict[str, torch.Tensor]:
+    """``eval/<name>`` ``(B,)`` for each ``eval_metrics`` callable ``(prompts, completions) ->
+    list[float]``: prompts decoded without special tokens; completions with them (whether one
+    ended with EOS is often what a held-out metric checks)."""
+    if not eval_metrics:
+        return {}
+    prompt_ids, completion_ids = valid_token_ids(rollout)
+    prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+    completions = tokenizer.batch_decode(completion_ids)
+    return {f"eval/{name}": torch.tensor([float(v) for v in fn(prompts, completions)])
+            for name, fn in eval_metrics.items()}
+
+
+def show_completions(df, report_to: Sequence[str] = ()) -> None:
+    """Print the first 5 rows of a completions table (a rich table when rich is installed,
+    else plain text); log the whole table to wandb when ``"wandb"`` is in ``report_to`` and a
+    wandb run is active."""
+    head = df.iloc[:5]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(head.to_string())
+    else:
+        table = Table(show_lines=True)
+        for column in head.columns:
+            table.add_column(str(column))
+        for row in head.itertuples(index=False):
+            table.add_row(*[str(x) for x in row])
+        Console().print(table)
+    if "wandb" in report_to:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.log({"completions": wandb.Table(dataframe=df)})
