@@ -9,6 +9,15 @@ prompt ids -> completion ids + the engine's log-probs; receive new policy weight
 ``vllm_server``    ``VLLMServerEngine``: a running ``trl vllm-serve`` / ``vllm serve``
 
 Nothing here imports vLLM until an engine is built (``build_vllm_engine``).
+
+Example (the fields and checks need no vLLM):
+    >>> args = VLLMArguments()
+    >>> args.use_vllm, args.vllm_mode, args.vllm_gpu_memory_utilization
+    (False, 'colocate', 0.3)
+    >>> VLLMArguments(vllm_gpu_memory_utilization=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: vllm_gpu_memory_utilization must be in (0, 1] ...
 """
 
 from __future__ import annotations
