@@ -78,7 +78,9 @@ def test_select_picks_rows_and_keeps_scalars():
 
 
 def test_target_settings_reads_the_config_fields(make_config):
-    config = make_config(gamma=0.95, lam=0.9, missing_eos_penalty=2.0, kl_estimator="k3")
+    config = make_config(gamma=0.95, lam=0.9, missing_eos_penalty=2.0, kl_estimator="k3", value_lam=1.0,
+                         lam_length_alpha=0.05)
     assert target_settings(config) == dict(kl_estimator="k3", missing_eos_penalty=2.0,
                                            whiten_rewards=config.whiten_rewards,
-                                           whiten_advantages=config.whiten_advantages, gamma=0.95, lam=0.9)
+                                           whiten_advantages=config.whiten_advantages, gamma=0.95, lam=0.9,
+                                           value_lam=1.0, lam_length_alpha=0.05)

@@ -75,5 +75,7 @@ def test_entropy_gets_a_gradient_only_with_a_positive_coefficient():
 
 
 def test_loss_settings_reads_the_config_fields(make_config):
-    config = make_config(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02)
-    assert loss_settings(config) == dict(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02)
+    config = make_config(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02, cliprange_high=0.35,
+                         dual_clip=3.0)
+    assert loss_settings(config) == dict(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02,
+                                         cliprange_high=0.35, dual_clip=3.0)

@@ -135,7 +135,8 @@ def test_loss_ignores_everything_outside_the_response_mask():
         values=torch.randn(B, T), scores=torch.zeros(B), has_stop=torch.tensor([True, False]),
     )
     adv = SimpleNamespace(advantages=torch.randn(B, T), returns=torch.randn(B, T))
-    args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01)
+    args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01,
+                           cliprange_high=None, dual_clip=None)
     class FakeTrainer(SimpleNamespace):
         response_forward = PPOTrainer.response_forward
 
@@ -167,7 +168,7 @@ def test_missing_eos_penalty_uses_the_configured_stop_token():
         values=torch.zeros(2, 3), scores=torch.tensor([1.0, 1.0]), has_stop=has_stop,
     )
     args = SimpleNamespace(missing_eos_penalty=0.5, kl_estimator="k1", kl_coef=0.1, whiten_rewards=False,
-                           gamma=1.0, lam=1.0, whiten_advantages=False)
+                           gamma=1.0, lam=1.0, whiten_advantages=False, value_lam=None, lam_length_alpha=None)
     from trl_ppo_ext.kl_control import FixedKLController
 
     adv = PPOTrainer.compute_advantages(SimpleNamespace(args=args, kl_controller=FixedKLController(0.1)), rollout)

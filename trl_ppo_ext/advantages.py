@@ -10,8 +10,10 @@ counts):
    reference, 0 on padding;
 3. ``rewards`` ``(B, T)``: ``-kl_coef * kl`` on every token plus the score at the last valid
    token (``functional.shaped_rewards``), optionally whitened keeping the mean;
-4. GAE advantages and returns (``functional.masked_gae``), the advantages optionally whitened
-   over the whole batch (every process).
+4. GAE advantages and returns (``functional.masked_gae_decoupled``): the advantages with
+   ``lam`` (or VAPO's per-sequence ``length_adaptive_lam`` when ``lam_length_alpha`` is set),
+   the returns with ``value_lam`` (None: the advantages' lambda); the advantages optionally
+   whitened over the whole batch (every process).
 
 Example:
 
@@ -65,7 +67,10 @@ class PPOTargets:
 
 
 # The config fields compute_targets reads (PPOConfig's names); the KL coefficient comes from the KL controller.
-TARGET_FIELDS = ("kl_estimator", "missing_eos_penalty", "whiten_rewards", "whiten_advantages", "gamma", "lam")
+TARGET_FIELDS = (
+    "kl_estimator", "missing_eos_penalty", "whiten_rewards", "whiten_advantages", "gamma", "lam",
+    "value_lam", "lam_length_alpha",
+)
 
 
 def target_settings(args) -> dict:
@@ -85,6 +90,8 @@ def compute_targets(
     whiten_advantages: bool,
     gamma: float,
     lam: float,
+    value_lam: float | None = None,
+    lam_length_alpha: float | None = None,
 ) -> PPOTargets:
     """Shaped rewards -> masked GAE -> masked global whitening (see the module docstring).
 
@@ -96,6 +103,10 @@ def compute_targets(
         missing_eos_penalty: subtracted from the score of every response without a stop
             token; None: no penalty.
         whiten_rewards, whiten_advantages, gamma, lam: as in ``PPOConfig``.
+        value_lam: the returns' lambda (decoupled GAE); None: the advantages' lambda.
+        lam_length_alpha: when set, the advantages' lambda is
+            ``functional.length_adaptive_lam(response_mask, lam_length_alpha)``, one per
+            sequence, instead of ``lam``; ``value_lam=None`` then follows it too.
 
     The rollout is not modified.
     """
@@ -109,7 +120,9 @@ def compute_targets(
     )
     if whiten_rewards:
         rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
-    advantages, returns = F.masked_gae(rewards, rollout.values, mask, gamma, lam)
+    if lam_length_alpha is not None:
+        lam = F.length_adaptive_lam(mask, lam_length_alpha, rewards.dtype)  # (B,)
+    advantages, returns = F.masked_gae_decoupled(rewards, rollout.values, mask, gamma, lam, value_lam)
     raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
     if whiten_advantages:
         advantages = F.masked_global_whiten(advantages, mask)

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -23,6 +24,9 @@ from ._compat import PPOConfigBase
 from .functional import KL_ESTIMATORS
 from .guards import GuardSettings
 from .preemption import ON_SIGTERM_CHOICES
+
+# Critic-recipe fields (issue 21) that None turns off; on the command line they arrive as text.
+RECIPE_OPTIONAL_FLOATS = ("value_lam", "lam_length_alpha", "cliprange_high", "dual_clip")
 
 
 def _bf16_available() -> bool:
@@ -78,6 +82,19 @@ class PPOConfig(PPOConfigBase, GuardSettings):
             ``save_strategy``), record ``stop_reason="preempted"``, then exit with status 0
             (``"save_and_exit"``) or return from ``train()`` (``"save_and_return"``). ``"off"``
             leaves SIGTERM's handling alone.
+        value_lam (`float` or `None`, defaults to `None`):
+            Critic recipe (issue 21): the GAE lambda of the value targets only (decoupled GAE,
+            VC-PPO / VAPO; 1.0 = Monte-Carlo returns); None: ``lam``, today's targets.
+        lam_length_alpha (`float` or `None`, defaults to `None`):
+            VAPO's length-adaptive policy lambda: each sequence's advantages use
+            ``max(0, 1 - 1 / (lam_length_alpha * L))`` (L its valid tokens) instead of ``lam``
+            (VAPO uses 0.05). None: ``lam``.
+        cliprange_high (`float` or `None`, defaults to `None`):
+            Upper clip of the ratio, ``1 + cliprange_high`` (DAPO's clip-higher; TRL GRPO's
+            ``epsilon_high``); None: ``cliprange`` (symmetric).
+        dual_clip (`float` or `None`, defaults to `None`):
+            Dual-clip PPO's bound c > 1: a token with a negative advantage loses at most
+            ``c * |A|``. None: off.
     """
 
     entropy_coef: float = field(
@@ -148,6 +165,29 @@ class PPOConfig(PPOConfigBase, GuardSettings):
         },
     )
 
+    # Critic recipe (issue 21). Typed `float | str | None`: argparse cannot produce None, so
+    # HfArgumentParser hands "None" over as text, made None by `_read_recipe_values`.
+    value_lam: float | str | None = field(
+        default=None,
+        metadata={"help": "GAE lambda of the value targets only (decoupled GAE; 1.0 = Monte-Carlo returns), in "
+            "[0, 1]. None: lam."},
+    )
+    lam_length_alpha: float | str | None = field(
+        default=None,
+        metadata={"help": "Length-adaptive policy lambda (VAPO): 1 - 1/(alpha * L) per sequence of L valid tokens, "
+            "alpha > 0 (VAPO: 0.05). None: lam."},
+    )
+    cliprange_high: float | str | None = field(
+        default=None,
+        metadata={"help": "Upper ratio clip 1 + cliprange_high (DAPO clip-higher, TRL GRPO's epsilon_high), >= 0. "
+            "None: cliprange."},
+    )
+    dual_clip: float | str | None = field(
+        default=None,
+        metadata={"help": "Dual-clip PPO bound c > 1: the loss of a token with advantage A < 0 is at most c * |A|. "
+            "None: off."},
+    )
+
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
         return GuardSettings(**{f.name: getattr(self, f.name) for f in fields(GuardSettings)})
@@ -160,7 +200,9 @@ class PPOConfig(PPOConfigBase, GuardSettings):
             self.bf16 = False
         super().__post_init__()  # TRL's and transformers' checks (they do not chain to GuardSettings)
         GuardSettings.__post_init__(self)
+        self._read_recipe_values()
         self._check_ppo_fields()
+        self._check_recipe_fields()
 
     def _check_ppo_fields(self) -> None:
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -199,4 +241,40 @@ class PPOConfig(PPOConfigBase, GuardSettings):
             raise ValueError(
                 f"PPOConfig: adaptive_kl needs kl_target > 0 and kl_horizon > 0, got kl_target={self.kl_target}, "
                 f"kl_horizon={self.kl_horizon}."
+            )
+
+    def _read_recipe_values(self) -> None:
+        """The critic-recipe fields as the command line gives them (text) made Python values:
+        ``"None"`` -> None, a number's text -> float."""
+        for name in RECIPE_OPTIONAL_FLOATS:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                continue
+            if value.strip().lower() == "none":
+                setattr(self, name, None)
+                continue
+            try:
+                setattr(self, name, float(value))
+            except ValueError:
+                raise ValueError(
+                    f"PPOConfig.{name} must be a number or None, got {value!r}; e.g. --{name} None turns it off."
+                ) from None
+
+    def _check_recipe_fields(self) -> None:
+        # `not lo <= x <= hi` is True for nan as well: nan is refused with the rest
+        if self.value_lam is not None and not 0.0 <= self.value_lam <= 1.0:
+            raise ValueError(f"PPOConfig.value_lam must be in [0, 1] or None (use lam), got {self.value_lam}.")
+        if self.lam_length_alpha is not None and not 0.0 < self.lam_length_alpha < math.inf:
+            raise ValueError(
+                f"PPOConfig.lam_length_alpha must be a finite number > 0 (VAPO uses 0.05) or None (use lam), "
+                f"got {self.lam_length_alpha}."
+            )
+        if self.cliprange_high is not None and not 0.0 <= self.cliprange_high < math.inf:
+            raise ValueError(
+                f"PPOConfig.cliprange_high must be a finite number >= 0 or None (use cliprange), "
+                f"got {self.cliprange_high}."
+            )
+        if self.dual_clip is not None and not 1.0 < self.dual_clip < math.inf:
+            raise ValueError(
+                f"PPOConfig.dual_clip must be a finite number > 1 (3.0 is common) or None (off), got {self.dual_clip}."
             )

@@ -7,7 +7,10 @@
 every term a token mean over ``response_mask`` (``(B, T)`` bool, True = a response token
 that counts), divided by ``num_tokens`` when given (the valid-token count of the whole
 mini-batch on every process, so that micro-batch losses add up to the mini-batch mean; see
-``functional.masked_token_mean``). The model is torchtune's ``PPOLoss.forward``: one pure
+``functional.masked_token_mean``). The surrogate's reduction follows ``loss_type``
+(``functional.masked_loss_aggregate``: "dapo" is the token mean above; "grpo" and "dr_grpo"
+divide by ``num_sequences``, the whole mini-batch's sequence count); the value loss and
+the entropy stay token means. The model is torchtune's ``PPOLoss.forward``: one pure
 function that composes the terms and returns what is logged, detached.
 
 Example (equal old and new log-probs: ratio 1, surrogate ``-mean(A)``):
@@ -32,7 +35,7 @@ import torch
 from . import functional as F
 
 # The config fields ppo_loss reads (PPOConfig's names).
-LOSS_FIELDS = ("cliprange", "cliprange_value", "vf_coef", "entropy_coef")
+LOSS_FIELDS = ("cliprange", "cliprange_value", "vf_coef", "entropy_coef", "cliprange_high", "dual_clip")
 
 
 def loss_settings(args) -> dict:
@@ -56,6 +59,11 @@ def ppo_loss(
     vf_coef: float,
     entropy_coef: float,
     num_tokens: torch.Tensor | None = None,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_type: str = "dapo",
+    num_sequences: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO loss (see the module docstring) and its statistics.
 
@@ -70,15 +78,23 @@ def ppo_loss(
         cliprange, cliprange_value, vf_coef, entropy_coef: as in ``PPOConfig``.
         num_tokens: the divisor of every token sum (see the module docstring); None: this
             micro-batch's own valid-token count.
+        cliprange_high, dual_clip: as in ``PPOConfig`` (None: symmetric clip, no dual clip).
+        loss_type: the surrogate's reduction, ``functional.LOSS_TYPES`` (TRL GRPO's names).
+        num_sequences: the whole mini-batch's sequence count ("grpo", "dr_grpo"); None: this
+            micro-batch's own.
+        max_completion_length: Dr. GRPO's constant length (``PPOConfig.response_length``);
+            None: this micro-batch's T.
 
     Returns:
         ``(loss, stats)``: the differentiable scalar loss, and detached scalars that are this
         micro-batch's own token means whatever ``num_tokens`` is: ``pg_loss``, ``vf_loss``,
-        ``entropy``, ``loss``, ``pg_clipfrac``, ``vf_clipfrac``, ``approxkl``, ``ratio_mean``,
-        ``ratio_max``.
+        ``entropy``, ``loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
+        ``pg_clipfrac_dual``, ``vf_clipfrac``, ``approxkl``, ``ratio_mean``, ``ratio_max``.
     """
     pg_loss, pg_stats = F.masked_clipped_surrogate(
-        new_logprobs, old_logprobs, advantages, response_mask, cliprange, num_tokens
+        new_logprobs, old_logprobs, advantages, response_mask, cliprange, num_tokens,
+        cliprange_high=cliprange_high, dual_clip=dual_clip, loss_type=loss_type,
+        num_sequences=num_sequences, max_completion_length=max_completion_length,
     )
     vf_loss, vf_stats = F.masked_clipped_value_loss(
         new_values, old_values, returns, response_mask, cliprange_value, num_tokens
@@ -87,13 +103,29 @@ def ppo_loss(
         entropy = F.masked_entropy(logits, response_mask, num_tokens)
     loss = pg_loss + vf_coef * vf_loss - entropy_coef * entropy
     with torch.no_grad():
-        # shares of the mini-batch mean -> this micro-batch's own token means, for logging
+        # shares of the mini-batch figure -> this micro-batch's own, for logging: the token terms
+        # by the token counts, the surrogate by the normaliser its loss_type divided by
         to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / response_mask.sum().clamp(min=1)
+        pg_to_local = _surrogate_to_local(loss_type, to_local, num_sequences, response_mask.shape[0])
+        pg_loss_local = pg_loss.detach() * pg_to_local
+        vf_loss_local, entropy_local = vf_loss.detach() * to_local, entropy.detach() * to_local
         stats = {
-            "pg_loss": pg_loss.detach() * to_local, "vf_loss": vf_loss.detach() * to_local,
-            "entropy": entropy.detach() * to_local, "loss": loss.detach() * to_local,
-            "pg_clipfrac": pg_stats["clipfrac"], "vf_clipfrac": vf_stats["clipfrac"],
+            "pg_loss": pg_loss_local, "vf_loss": vf_loss_local, "entropy": entropy_local,
+            "loss": pg_loss_local + vf_coef * vf_loss_local - entropy_coef * entropy_local,
+            "pg_clipfrac": pg_stats["clipfrac"], "pg_clipfrac_lower": pg_stats["clipfrac_lower"],
+            "pg_clipfrac_upper": pg_stats["clipfrac_upper"], "pg_clipfrac_dual": pg_stats["clipfrac_dual"],
+            "vf_clipfrac": vf_stats["clipfrac"],
             "approxkl": pg_stats["approxkl"], "ratio_mean": pg_stats["ratio_mean"],
             "ratio_max": pg_stats["ratio_max"],
         }
     return loss, stats
+
+
+def _surrogate_to_local(loss_type: str, token_to_local, num_sequences, batch_size: int):
+    """The factor turning the surrogate's share of the mini-batch loss into this micro-batch's
+    own figure: ``num_tokens / own tokens`` for "dapo", ``num_sequences / own sequences`` for
+    "grpo" and "dr_grpo" (whose divisor, ``num_sequences * max_completion_length``, keeps its
+    length factor: the local figure uses the same constant length)."""
+    if loss_type == "dapo":
+        return token_to_local
+    return 1.0 if num_sequences is None else torch.as_tensor(num_sequences).reshape(()) / batch_size

@@ -36,11 +36,17 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
 
     ``targets`` is the update's ``advantages.PPOTargets``; ``stats`` the ``(n,)`` loss
     statistics (``pg_loss``, ``vf_loss``, ``entropy``, ``approxkl``, ``pg_clipfrac``,
-    ``vf_clipfrac``, ``ratio_mean``, optionally ``grad_norm``). ``val/ratio_max`` is not
-    here: it is a maximum, not a mean (see :func:`update_metrics`).
+    ``vf_clipfrac``, ``ratio_mean``, optionally ``grad_norm`` and the clip fraction by side,
+    ``pg_clipfrac_lower`` / ``_upper`` / ``_dual``: logged as ``policy/clipfrac_lower_avg``
+    (A < 0, ratio below ``1 - cliprange``), ``policy/clipfrac_upper_avg`` (A > 0, ratio above
+    ``1 + cliprange_high``) and ``policy/clipfrac_dual_avg``, TRL GRPO's ``clip_ratio/low_mean``
+    and ``clip_ratio/high_mean``). ``val/ratio_max`` is not here: it is a maximum, not a mean
+    (see :func:`update_metrics`).
     """
     mask = rollout.response_mask
     lengths = mask.sum(1).float()
+    by_side = {f"policy/clipfrac_{side}_avg": stats[f"pg_clipfrac_{side}"].mean()
+               for side in ("lower", "upper", "dual") if f"pg_clipfrac_{side}" in stats}
     return {
         "objective/scores": targets.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
         "objective/scores_before_penalty": rollout.scores.mean(),
@@ -50,6 +56,7 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
         "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
         "policy/approxkl_avg": stats["approxkl"].mean(),
         "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
+        **by_side,
         "policy/entropy_avg": stats["entropy"].mean(),
         "loss/policy_avg": stats["pg_loss"].mean(),
         "loss/value_avg": stats["vf_loss"].mean(),
