@@ -232,14 +232,17 @@ class RewardRecorder:
 
 
 def response_after_marker(ids: list[int], marker_id: int, pad_id: int) -> list[int]:
-    """The response of a scored sequence: the tokens after the last ``marker_id`` (the chat
-    template's ``<assistant>``), pads removed.
+    """The response of a scored sequence: the tokens after the first ``marker_id`` (the chat
+    template's ``<assistant>``, which ends a one-turn prompt; a response may contain it again),
+    without the padding at its right end.
 
-    >>> response_after_marker([0, 4, 9, 5, 7, 8, 3, 0], marker_id=5, pad_id=0)
-    [7, 8, 3]
+    >>> response_after_marker([0, 4, 9, 5, 7, 5, 3, 0], marker_id=5, pad_id=0)
+    [7, 5, 3]
     """
-    start = len(ids) - ids[::-1].index(marker_id)
-    return [i for i in ids[start:] if i != pad_id]
+    response = ids[ids.index(marker_id) + 1 :]
+    while response and response[-1] == pad_id:
+        response = response[:-1]
+    return response
 
 
 def _rule_reward_model_class():
@@ -282,7 +285,7 @@ def verifiable_rule(task, *, weights: tuple[float, float, float], response_lengt
     user = tok.convert_tokens_to_ids("<user>")
 
     def rule(ids: list[int]) -> tuple[float, float]:
-        prompt = ids[len(ids) - ids[::-1].index(user):]
+        prompt = ids[ids.index(user) + 1 :]  # the first <user>: the prompt's (a response may repeat it)
         operation, a, b = tok.convert_ids_to_tokens(prompt[:3])
         response = response_after_marker(ids, marker, pad)
         text = tok.decode(response, skip_special_tokens=True).strip()

@@ -158,7 +158,8 @@ def test_recipe_arm_is_the_union_of_its_elements(se):
 def test_response_after_marker(se):
     # <user> a b <eos> <assistant> x y <eos> <pad> <pad>, marker 5, pad 0
     assert se.response_after_marker([4, 11, 12, 3, 5, 21, 22, 3, 0, 0], marker_id=5, pad_id=0) == [21, 22, 3]
-    assert se.response_after_marker([0, 5, 7, 5, 8], marker_id=5, pad_id=0) == [8]  # the last marker counts
+    # the first marker ends the prompt; a generated marker or pad inside the response stays in it
+    assert se.response_after_marker([0, 5, 7, 5, 0, 8, 0], marker_id=5, pad_id=0) == [7, 5, 0, 8]
 
 
 def test_verifiable_rule_matches_the_example_reward_functions(se):
@@ -173,7 +174,7 @@ def test_verifiable_rule_matches_the_example_reward_functions(se):
     rule = se.verifiable_rule(task, weights=(1.0, 0.2, 0.2), response_length=4, overlong_cache=2)
     ids = tok.convert_tokens_to_ids
     responses = [["17", "<eos>"], ["3", "<eos>"], ["17"], ["17", "17", "<eos>"], ["<eos>"], ["17", "3", "3", "3"],
-                 ["max", "<eos>"]]
+                 ["max", "<eos>"], ["<user>", "<eos>"], ["<assistant>", "17", "<eos>"], ["17", "<user>", "max", "1"]]
     prompt = task.prompt_ids(3, 17)
     overlong = get_soft_overlong_punishment(4, 2)
     fmt = make_format_reward(task)
