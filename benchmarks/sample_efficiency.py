@@ -1,0 +1,748 @@
+"""Sample efficiency: reward against episodes, over seeds, for named arms (issue 21).
+
+    python benchmarks/sample_efficiency.py --task synthetic --arms trl112 defaults --seeds 8 --out DIR
+    python benchmarks/sample_efficiency.py --task verifiable --arms trl112 defaults recipe --out DIR
+    python benchmarks/sample_efficiency.py --list-arms
+
+An *arm* is a name for a way to train: ``PPOConfig`` overrides on top of the task's settings,
+which trainer runs them (this package's, or TRL 1.12's own ``trl.experimental.ppo.PPOTrainer``
+for the ``trl112`` arm) and which reward variant of the task it trains on (``default`` here;
+issue 22's comparisons add variants). ``--arm NAME:field=value,field=value`` adds one on the
+command line (values are read as JSON, else kept as strings). An arm naming a field the
+installed ``PPOConfig`` lacks is left out with a printed note, so the same command works
+before and after a field is wired.
+
+Every arm of a task gets the same models (built once per seed by a ``--prepare`` process and
+loaded by every run), prompts, batch sizes, learning rate, response length and seeds. Each
+(arm, seed) runs in its own process with a timeout (``--timeout``), one thread each, ``--jobs``
+at a time; the ``trl112`` arm runs under ``--trl-python`` (default: /work/venv112/bin/python
+if it has a TRL with a PPO trainer; without one the arm is left out with a note). A run writes
+one JSON row per PPO update to ``DIR/<task>/<arm>/<seed>.jsonl`` and a last row
+``{"done": true, ...}``; a run that raises, times out, stops early or logs a non-finite value is
+kept as *crashed* (its file ends ``{"done": true, "crashed": true, "reason": ...}``), never
+dropped. Complete files are skipped, so an interrupted benchmark resumes where it stopped
+(``--rerun-crashed`` runs crashed ones again).
+
+The tasks (``TASKS``):
+
+* ``synthetic``: ``examples/ppo_lora.py``'s demo: the rule of ``examples/synthetic_task.py``, a
+  reward model trained on preference pairs from it (once per seed, shared by every arm), a
+  tiny random Llama with LoRA (r 8, alpha 16, ``lm_head`` included), the demo's PPO settings
+  (lr 5e-3, kl_coef 0.05, response_length 10, batch 32 = 8 x 4, 2 mini-batches). Its
+  ``reward`` is the *true* reward (share of nice words + 0.5 for stopping in time, 0 .. 1.5)
+  of the responses the reward model scored in that update's rollout, read by a forward hook
+  on the reward model's backbone: the same measurement for every trainer.
+* ``verifiable``: ``examples/ppo_verifiable.py``: ``max a b`` over 0..19 after a noisy SFT
+  warm-up (once per seed, shared), rewards ``exact_answer`` + 0.2 ``format_reward`` + 0.2
+  soft overlong punishment. Its ``reward`` is the accuracy (mean exact answer) of the update's
+  rollout. This package trains on the example's reward functions; TRL's trainer takes only
+  a reward model, so it gets ``RuleRewardModel``, the same weighted sum computed from token ids.
+
+TRL's trainer needs a separate value model: as TRL's example script does, it is initialised
+from the reward model (synthetic) or, with no reward model, from the SFT checkpoint with a
+fresh score head (verifiable). This package's arms use the shared LoRA actor-critic of the
+examples (value head on the policy's backbone).
+
+The table (markdown, to stdout and ``DIR/<task>/table.md``): per arm, runs and crashed runs;
+the reward at half the episodes and at the end (each the mean of the ``--window`` updates that
+end there, then mean +- standard deviation over the seeds that did not crash); episodes to
+reach the threshold (the first episode at which that trailing mean reaches it; median over
+seeds, and how many reached it); KL, token entropy and explained variance at the end. The
+threshold is the ``trl112`` arm's mean final reward (the issue's goal: reach it in half the
+episodes), else ``--threshold``. The plot (``DIR/<task>.png``): mean over seeds of that
+trailing mean against episodes, with a band of +- one standard deviation per arm; KL and
+entropy in panels beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRL_PYTHON = "/work/venv112/bin/python"
+
+# What a row keeps of each update's log_history entry: row key -> the logged metric.
+LOGGED = {
+    "score": "objective/scores",
+    "kl": "objective/kl",
+    "entropy": "policy/entropy_avg",
+    "explained_variance": "val/explained_variance",
+}
+
+
+# ------------------------------------------------------------------------------------ arms
+@dataclass(frozen=True)
+class Arm:
+    """A way to train: PPOConfig overrides, the trainer ("ours" or "trl112"), the reward variant."""
+
+    overrides: dict = field(default_factory=dict)
+    trainer: str = "ours"
+    reward: str = "default"
+    note: str = ""
+
+
+# The recipe's values: VC-PPO/VAPO (2503.01491, 2504.05118), DAPO's clip-higher (2503.14476),
+# dual-clip PPO (Ye et al. 2020). The warm-up is sized for runs of ~32 updates.
+RECIPE = {
+    "critic_warmup": {"critic_warmup_steps": 4, "critic_warmup_explained_variance": 0.5},
+    "value_lam": {"value_lam": 1.0},
+    "length_lam": {"lam_length_alpha": 0.05},
+    "clip_higher": {"cliprange_high": 0.28},
+    "dual_clip": {"dual_clip": 3.0},
+}
+ARMS = {
+    "trl112": Arm(trainer="trl112", note="TRL 1.12's own trainer"),
+    "defaults": Arm(note="this package's defaults"),
+    **{name: Arm(overrides, note="one recipe element") for name, overrides in RECIPE.items()},
+    "loss_grpo": Arm({"loss_type": "grpo"}, note="sequence-mean token-mean loss"),
+    "loss_dr_grpo": Arm({"loss_type": "dr_grpo"}, note="Dr. GRPO's constant normaliser"),
+    "recipe": Arm({k: v for o in RECIPE.values() for k, v in o.items()}, note="every recipe element"),
+}
+
+
+def parse_arm(text: str) -> tuple[str, Arm]:
+    """``NAME:field=value,field=value`` (values as JSON, else strings; ``reward=...`` picks the
+    reward variant, ``trainer=trl112`` TRL's trainer) -> ``(NAME, Arm)``."""
+    name, _, spec = text.partition(":")
+    if not name or not spec:
+        raise ValueError(f"--arm {text!r}: write NAME:field=value[,field=value...], e.g. clip:cliprange_high=0.28")
+    overrides, extra = {}, {}
+    for item in spec.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--arm {text!r}: {item!r} is not field=value.")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        (extra if key in ("reward", "trainer") else overrides)[key.strip()] = value
+    return name, Arm(overrides, note="from --arm", **extra)
+
+
+def missing_fields(arm: Arm, config_fields: set[str]) -> list[str]:
+    """The overrides of ``arm`` that the installed PPOConfig does not have."""
+    return sorted(k for k in arm.overrides if k not in config_fields)
+
+
+# ----------------------------------------------------------------------------------- tasks
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task's runs share; ``episodes`` and ``hidden_size`` are its example's defaults."""
+
+    episodes: int
+    hidden_size: int
+    reward_name: str  # what the row's "reward" is
+    batch_size: int  # episodes per update
+
+
+TASKS = {
+    "synthetic": TaskSpec(episodes=1024, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32),
+    "verifiable": TaskSpec(episodes=4096, hidden_size=32, reward_name="accuracy", batch_size=64),
+}
+
+
+def _examples_on_path() -> None:
+    for path in (str(ROOT), str(ROOT / "examples")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def _quiet() -> None:
+    import warnings
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"Setting `save_embedding_layers`", category=UserWarning)
+
+
+def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> None:
+    """Build the models every arm of ``task_name`` starts from for ``seed``, saved to ``model_dir``:
+    the reward model (synthetic) or the SFT warm-up (verifiable). Written atomically."""
+    _quiet()
+    _examples_on_path()
+    import torch
+
+    torch.set_num_threads(1)
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if task_name == "synthetic":
+        from ppo_lora import DEMO_DEFAULTS, ScriptArguments
+        from synthetic_task import build_task, make_preference_pairs, train_reward_model
+
+        script, task = ScriptArguments(), build_task(seed)
+        length = DEMO_DEFAULTS["response_length"]
+        pairs = make_preference_pairs(task, script.rm_pairs, seed=seed + 1, max_answer_tokens=length)
+        held_out = make_preference_pairs(task, script.rm_eval_pairs, seed=seed + 2, max_answer_tokens=length)
+        model, accuracy = train_reward_model(task, pairs, held_out, str(tmp / "trainer"), epochs=script.rm_epochs,
+                                             seed=seed, learning_rate=script.rm_learning_rate, hidden_size=hidden_size)
+        model.save_pretrained(tmp / "reward_model")
+        info = {"rm_pair_accuracy": accuracy}
+    else:
+        from ppo_verifiable import TaskArguments
+        from verifiable_task import build_task, sft_warm_up, split_pairs
+
+        from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+        args = TaskArguments()
+        task = build_task(args.operation, args.num_values)
+        split = split_pairs(task, num_sft=args.num_sft_pairs, num_held_out=args.num_held_out_pairs,
+                            seed=args.split_seed)
+        model = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
+        model = sft_warm_up(task, model, split.sft, str(tmp / "trainer"), max_steps=args.sft_steps,
+                            learning_rate=args.sft_learning_rate, correct_fraction=args.sft_correct_fraction, seed=seed)
+        model.save_pretrained(tmp / "sft")
+        info = {}
+    shutil.rmtree(tmp / "trainer", ignore_errors=True)
+    (tmp / "info.json").write_text(json.dumps({"seed": seed, "hidden_size": hidden_size, **info}))
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(tmp, model_dir)
+
+
+class RewardRecorder:
+    """Reads the token ids every call of a reward model's backbone receives (a forward pre-hook),
+    so the task's own reward of the scored responses is measured the same way for any trainer."""
+
+    def __init__(self, reward_model):
+        backbone = getattr(reward_model, reward_model.base_model_prefix)
+        self.batches = []
+        backbone.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.batches.append(ids.detach().cpu())
+
+    def take(self):
+        """The sequences recorded since the last call, as rows of token ids."""
+        rows = [row.tolist() for batch in self.batches for row in batch]
+        self.batches = []
+        return rows
+
+
+def response_after_marker(ids: list[int], marker_id: int, pad_id: int) -> list[int]:
+    """The response of a scored sequence: the tokens after the first ``marker_id`` (the chat
+    template's ``<assistant>``, which ends a one-turn prompt; a response may contain it again),
+    without the padding at its right end.
+
+    >>> response_after_marker([0, 4, 9, 5, 7, 5, 3, 0], marker_id=5, pad_id=0)
+    [7, 5, 3]
+    """
+    response = ids[ids.index(marker_id) + 1 :]
+    while response and response[-1] == pad_id:
+        response = response[:-1]
+    return response
+
+
+def _rule_reward_model_class():
+    import torch
+    from torch import nn
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class RuleBackbone(nn.Module):
+        """Returns, as its last hidden state, each sequence's rule reward at every position."""
+
+        def __init__(self, rule):
+            super().__init__()
+            self.rule = rule
+            self.anchor = nn.Parameter(torch.zeros(()), requires_grad=False)  # gives the module a device
+
+        def forward(self, input_ids=None, **ignored):
+            rewards = torch.tensor([self.rule(row) for row in input_ids.tolist()], dtype=torch.float32)
+            hidden = rewards.to(self.anchor.device)[:, None, None].expand(*input_ids.shape, 1)
+            return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=(hidden,))
+
+    class RuleRewardModel(nn.Module):
+        """A reward "model" for trainers that only take one: ``rule(token_ids) -> float`` per sequence,
+        behind the ``base_model_prefix`` backbone + ``score`` head that TRL's ``get_reward`` reads."""
+
+        base_model_prefix = "model"
+
+        def __init__(self, rule):
+            super().__init__()
+            self.model = RuleBackbone(rule)
+            self.score = nn.Identity()
+
+    return RuleRewardModel
+
+
+def verifiable_rule(task, *, weights: tuple[float, float, float], response_length: int, overlong_cache: int):
+    """``rule(token_ids) -> (reward, exact)`` of the verifiable example, from a scored sequence:
+    ``weights`` . (exact answer, format, TRL's soft overlong punishment)."""
+    tok = task.tokenizer
+    marker, pad, eos = tok.convert_tokens_to_ids("<assistant>"), tok.pad_token_id, tok.eos_token_id
+    user = tok.convert_tokens_to_ids("<user>")
+
+    def rule(ids: list[int]) -> tuple[float, float]:
+        prompt = ids[ids.index(user) + 1 :]  # the first <user>: the prompt's (a response may repeat it)
+        operation, a, b = tok.convert_ids_to_tokens(prompt[:3])
+        response = response_after_marker(ids, marker, pad)
+        text = tok.decode(response, skip_special_tokens=True).strip()
+        exact = float(text == str(task.answer(int(a), int(b))))
+        form = float(len(response) == 2 and response[0] in task.number_ids and response[1] == eos)
+        n, limit = len(response), response_length - overlong_cache
+        overlong = 0.0 if n <= limit else (limit - n) / overlong_cache if n <= response_length else -1.0
+        return weights[0] * exact + weights[1] * form + weights[2] * overlong, exact
+
+    return rule
+
+
+def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: int, hidden_size: int,
+            out: Path) -> int:
+    """Train one (arm, seed); write a row per update to ``out`` (``.partial`` until done). Returns the updates."""
+    _quiet()
+    _examples_on_path()
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback, set_seed
+
+    torch.set_num_threads(1)
+    set_seed(seed)
+    if arm.reward != "default":
+        raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has only 'default'.")
+    if arm.trainer == "trl112":
+        from trl_ppo_ext._compat import load_trl_ppo
+
+        trainer_cls, config_cls, _ = load_trl_ppo()
+    else:
+        from trl_ppo_ext import PPOConfig as config_cls
+        from trl_ppo_ext import PPOTrainer as trainer_cls
+        from trl_ppo_ext.modeling import SharedActorCritic
+
+    common = dict(output_dir=str(out.parent / f".{out.stem}_trainer"), total_episodes=episodes,
+                  num_sample_generations=0, eval_strategy="no", save_strategy="no", logging_steps=1,
+                  report_to="none", disable_tqdm=True, seed=seed, bf16=False)
+    if task_name == "synthetic":
+        from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
+        from synthetic_task import build_task
+
+        from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+        task = build_task(seed)
+        ppo = {k: v for k, v in DEMO_DEFAULTS.items() if k in {f.name for f in dataclasses.fields(config_cls)}}
+        config = config_cls(**{**ppo, **common, **arm.overrides})
+        policy = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
+        reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model").eval()
+        prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
+                                       response_length=config.response_length,
+                                       max_length=policy.config.max_position_embeddings)
+        lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
+                          target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+        recorder = RewardRecorder(reward_model)
+        marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
+
+        def batch_reward(logs):
+            rows = recorder.take()
+            values = [task.true_reward(None, response_after_marker(r, marker, pad)) for r in rows]
+            return (sum(values) / len(values) if values else None), len(values)
+
+        models = dict(reward_model=reward_model, train_dataset=prompts)
+        if arm.trainer == "trl112":
+            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
+            models.update(model=policy, ref_model=None, value_model=value, peft_config=lora,
+                          train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
+        else:
+            models.update(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+    else:
+        from ppo_verifiable import PPO_DEFAULTS, TaskArguments, ppo_prompts, reward_functions
+        from verifiable_task import build_task, split_pairs
+
+        task_args = TaskArguments()
+        task = build_task(task_args.operation, task_args.num_values)
+        split = split_pairs(task, num_sft=task_args.num_sft_pairs, num_held_out=task_args.num_held_out_pairs,
+                            seed=task_args.split_seed)
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        ppo = {k: v for k, v in PPO_DEFAULTS.items() if k in names}
+        weights = tuple(PPO_DEFAULTS["reward_weights"])
+        config = config_cls(**{**ppo, **common, **arm.overrides})
+        policy = AutoModelForCausalLM.from_pretrained(model_dir / "sft")
+        prompts = ppo_prompts(task, split.ppo[: task_args.max_ppo_pairs])
+        lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
+                          target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
+        rule = verifiable_rule(task, weights=weights, response_length=config.response_length,
+                               overlong_cache=task_args.soft_overlong_cache)
+        if arm.trainer == "trl112":
+            rule_model = _rule_reward_model_class()(lambda ids: rule(ids)[0])
+            recorder = RewardRecorder(rule_model)
+            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
+            models = dict(model=policy, ref_model=None, value_model=value, peft_config=lora, reward_model=rule_model,
+                          train_dataset=prompts.select_columns(["input_ids"]))
+
+            def batch_reward(logs):
+                rows = recorder.take()
+                values = [rule(r)[1] for r in rows]
+                return (sum(values) / len(values) if values else None), len(values)
+        else:
+            models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None,
+                          reward_model=None, reward_funcs=reward_functions(task, config, task_args),
+                          train_dataset=prompts)
+
+            def batch_reward(logs):
+                return logs.get("rewards/exact_answer/mean"), None
+
+    partial = out.with_suffix(".partial")
+    handle = partial.open("w")
+
+    class Rows(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "episode" not in logs:
+                return
+            reward, scored = batch_reward(logs)
+            row = {"update": state.global_step, "episode": logs["episode"], "reward": reward, "scored": scored,
+                   **{key: logs.get(metric) for key, metric in LOGGED.items()}}
+            handle.write(json.dumps(row) + "\n")
+            handle.flush()
+
+    trainer = trainer_cls(args=config, processing_class=task.tokenizer, callbacks=[Rows()], **models)
+    start = time.perf_counter()
+    trainer.train()
+    handle.close()
+    updates = config.num_total_batches
+    with partial.open("a") as f:
+        f.write(json.dumps({"done": True, "train_s": time.perf_counter() - start, "updates": updates}) + "\n")
+    shutil.rmtree(config.output_dir, ignore_errors=True)
+    return updates
+
+
+# ------------------------------------------------------------------------ reading the logs
+@dataclass
+class Run:
+    """One (arm, seed): its per-update rows, and why it crashed (None if it did not)."""
+
+    seed: int
+    rows: list[dict]
+    crashed: str | None = None
+    train_s: float | None = None
+
+
+def read_run(path: Path, seed: int) -> Run | None:
+    """The run in ``path``; None if it is missing or incomplete. A run whose rows hold a
+    non-finite reward, KL or entropy counts as crashed."""
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or not lines[-1].get("done"):
+        return None
+    end, rows = lines[-1], lines[:-1]
+    run = Run(seed=seed, rows=rows, crashed=end.get("reason") if end.get("crashed") else None,
+              train_s=end.get("train_s"))
+    if run.crashed is None:
+        for row in rows:
+            bad = [k for k in ("reward", "kl", "entropy") if row.get(k) is not None and not math.isfinite(row[k])]
+            if bad:
+                run.crashed = f"non-finite {', '.join(bad)} at update {row['update']}"
+                break
+        if run.crashed is None and end.get("updates") is not None and len(rows) < end["updates"]:
+            run.crashed = f"stopped after {len(rows)} of {end['updates']} updates"
+    return run
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values up to each position (fewer at the start).
+
+    >>> trailing_mean([1.0, 3.0, 5.0, 7.0], 2)
+    [1.0, 2.0, 4.0, 6.0]
+    """
+    return [sum(values[max(0, i + 1 - window): i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def value_at(run: Run, key: str, episode: float, window: int) -> float | None:
+    """The mean of ``key`` over the ``window`` updates that end at the last update with
+    ``episode`` episodes or fewer; None without such an update or values."""
+    done = [r for r in run.rows if r["episode"] <= episode and r.get(key) is not None]
+    if not done:
+        return None
+    last = done[-window:]
+    return sum(r[key] for r in last) / len(last)
+
+
+def episodes_to_reach(run: Run, threshold: float, window: int) -> int | None:
+    """The first episode at which the trailing ``window``-update mean reward reaches ``threshold``."""
+    rows = [r for r in run.rows if r.get("reward") is not None]
+    for row, mean in zip(rows, trailing_mean([r["reward"] for r in rows], window)):
+        if mean >= threshold:
+            return row["episode"]
+    return None
+
+
+def _mean_sd(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
+
+
+def _mean(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.fmean(values):.3g}" if values else "n/a"
+
+
+def final_reward(runs: list[Run], episodes: int, window: int) -> float | None:
+    """Mean over the runs that did not crash of each one's final reward."""
+    values = [value_at(r, "reward", episodes, window) for r in runs if r.crashed is None]
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float | None, window: int,
+          expected_seeds: int) -> str:
+    """The markdown table of the module docstring."""
+    head = ("| arm | runs | crashed | reward at half | final reward | episodes to threshold (median, reached) "
+            "| final KL | final entropy | final expl. var. | train s / run |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, runs in runs_by_arm.items():
+        ok = [r for r in runs if r.crashed is None]
+        half = [value_at(r, "reward", episodes / 2, window) for r in ok]
+        final = [value_at(r, "reward", episodes, window) for r in ok]
+        reach = "n/a"
+        if threshold is not None and ok:
+            hits = [episodes_to_reach(r, threshold, window) for r in ok]
+            reached = sorted(h for h in hits if h is not None)
+            # unreached runs count as "more than the budget" for the median
+            ordered = reached + [math.inf] * (len(hits) - len(reached))
+            median = statistics.median_low(ordered) if len(ordered) % 2 else statistics.median(ordered)
+            shown = "> budget" if math.isinf(median) else f"{median:.0f}"
+            reach = f"{shown} ({len(reached)}/{len(hits)})"
+        lines.append(
+            f"| {name} | {len(ok)}/{max(expected_seeds, len(runs))} | {len(runs) - len(ok)} | {_mean_sd(half)} "
+            f"| {_mean_sd(final)} | {reach} "
+            f"| {_mean([value_at(r, 'kl', episodes, window) for r in ok])} "
+            f"| {_mean([value_at(r, 'entropy', episodes, window) for r in ok])} "
+            f"| {_mean([value_at(r, 'explained_variance', episodes, window) for r in ok])} "
+            f"| {_mean([r.train_s for r in runs if r.train_s is not None])} |"
+        )
+    return "\n".join(lines)
+
+
+def curves(runs: list[Run], key: str, window: int) -> tuple[list[int], list[float], list[float]]:
+    """Episodes, mean and standard deviation over the runs that did not crash of the trailing
+    ``window``-update mean of ``key`` (updates every run has)."""
+    ok = [r for r in runs if r.crashed is None and r.rows and all(x.get(key) is not None for x in r.rows)]
+    if not ok:
+        return [], [], []
+    n = min(len(r.rows) for r in ok)
+    series = [trailing_mean([x[key] for x in r.rows[:n]], window) for r in ok]
+    episodes = [x["episode"] for x in ok[0].rows[:n]]
+    means = [statistics.fmean(col) for col in zip(*series)]
+    sds = [statistics.stdev(col) if len(col) > 1 else 0.0 for col in zip(*series)]
+    return episodes, means, sds
+
+
+def plot(runs_by_arm: dict[str, list[Run]], path: Path, *, title: str, reward_name: str, threshold: float | None,
+         episodes: int, window: int) -> None:
+    """Mean reward (trailing ``window``-update mean) against episodes with a +-1 sd band per arm;
+    KL and token entropy beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), gridspec_kw={"width_ratios": [2, 1, 1]})
+    for name, runs in runs_by_arm.items():
+        for ax, key in zip(axes, ("reward", "kl", "entropy")):
+            x, mean, sd = curves(runs, key, window)
+            if not x:
+                continue
+            ok = sum(r.crashed is None for r in runs)
+            line, = ax.plot(x, mean, label=f"{name} ({ok} seeds)" if key == "reward" else None, lw=1.5)
+            ax.fill_between(x, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
+                            color=line.get_color(), alpha=0.2, lw=0)
+    if threshold is not None:
+        axes[0].axhline(threshold, color="gray", ls="--", lw=1, label=f"threshold {threshold:.3f}")
+    axes[0].axvline(episodes / 2, color="gray", ls=":", lw=1)
+    axes[0].set(title=title, xlabel="episodes", ylabel=f"{reward_name}, mean of {window} updates")
+    axes[1].set(title="objective/kl", xlabel="episodes")
+    axes[2].set(title="policy/entropy_avg (nats)", xlabel="episodes")
+    axes[0].legend(fontsize=8, loc="best")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- the driver
+def trl_python_ok(python: str) -> str | None:
+    """None if ``python`` has a TRL with a PPO trainer, else why not."""
+    if not python or not Path(python).exists():
+        return f"--trl-python {python!r} does not exist"
+    probe = "import trl.experimental.ppo as m; print(m.PPOTrainer.__name__)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"--trl-python {python!r} failed: {err}"
+    if done.returncode:
+        return f"--trl-python {python!r} has no trl.experimental.ppo.PPOTrainer (TRL 1.0 - 1.12 has one)"
+    return None
+
+
+def _subprocess(cmd: list[str], log: Path, timeout: float) -> str | None:
+    """Run ``cmd`` with its output in ``log``; None on success, else why it failed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with log.open("w") as f:
+        try:
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f} s"
+    if done.returncode:
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-1:] or ["(no output)"]
+        return f"exit {done.returncode}: {tail[0][:300]}"
+    return None
+
+
+def execute(args, task_dir: Path, arms: dict[str, Arm], seeds: list[int], python_for: dict[str, str]) -> None:
+    """Prepare the models of every seed, then run every (arm, seed) whose file is not complete."""
+    script = str(Path(__file__).resolve())
+    size = ["--episodes", str(args.episodes), "--hidden-size", str(args.hidden_size)]
+
+    def prepare_seed(seed):
+        model_dir = task_dir / "_models" / f"seed{seed}"
+        if (model_dir / "info.json").is_file():
+            return None
+        cmd = [sys.executable, script, "--task", args.task, "--prepare", str(seed), "--out", str(args.out), *size]
+        return _subprocess(cmd, task_dir / "_models" / f"seed{seed}.log", args.timeout)
+
+    def train(arm_name, seed):
+        out = task_dir / arm_name / f"{seed}.jsonl"
+        arm = arms[arm_name]
+        cmd = [python_for[arm.trainer], script, "--task", args.task, "--run", arm_name, str(seed),
+               "--arm-json", json.dumps(dataclasses.asdict(arm)), "--out", str(args.out), *size]
+        start = time.perf_counter()
+        why = _subprocess(cmd, out.with_suffix(".log"), args.timeout)
+        partial = out.with_suffix(".partial")
+        if why is not None:
+            with partial.open("a") as f:
+                f.write(json.dumps({"done": True, "crashed": True, "reason": why}) + "\n")
+        os.replace(partial, out)
+        return f"{arm_name} seed {seed}: {'crashed, ' + why if why else 'done'} ({time.perf_counter() - start:.0f} s)"
+
+    (task_dir / "_models").mkdir(parents=True, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for seed, why in zip(seeds, pool.map(prepare_seed, seeds)):
+            if why is not None:
+                raise SystemExit(f"preparing the models of seed {seed} failed ({why}); see "
+                                 f"{task_dir / '_models' / f'seed{seed}.log'}")
+        todo = []
+        for arm_name in arms:
+            (task_dir / arm_name).mkdir(exist_ok=True)
+            for seed in seeds:
+                run = read_run(task_dir / arm_name / f"{seed}.jsonl", seed)
+                if run is None or (args.rerun_crashed and run.crashed is not None):
+                    todo.append((arm_name, seed))
+        print(f"{len(todo)} runs to do ({args.jobs} at a time)", flush=True)
+        for line in pool.map(lambda job: train(*job), todo):
+            print(line, flush=True)
+
+
+def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
+    """Read every run of ``arm_names``; write the table and the plot; return the table."""
+    runs_by_arm = {}
+    for name in arm_names:
+        runs = [read_run(task_dir / name / f"{s}.jsonl", s) for s in seeds]
+        runs_by_arm[name] = [r for r in runs if r is not None]
+    threshold, source = args.threshold, "--threshold"
+    if threshold is None and runs_by_arm.get("trl112"):
+        threshold, source = final_reward(runs_by_arm["trl112"], args.episodes, args.window), "trl112's final reward"
+    spec = TASKS[args.task]
+    text = table(runs_by_arm, episodes=args.episodes, threshold=threshold, window=args.window,
+                 expected_seeds=len(seeds))
+    header = (f"task {args.task}: reward = {spec.reward_name} of each update's rollout; {args.episodes} episodes "
+              f"({args.episodes // spec.batch_size} updates of {spec.batch_size}), hidden size {args.hidden_size}, "
+              f"seeds {seeds[0]}..{seeds[-1]}; values are the mean of the {args.window} updates ending there, "
+              f"mean ± sd over seeds")
+    header += (f"; threshold {threshold:.3f} ({source})" if threshold is not None else "; no threshold")
+    text = header + "\n\n" + text
+    (task_dir / "table.md").write_text(text + "\n")
+    plot(runs_by_arm, task_dir.parent / f"{args.task}.png", title=f"{args.task} task, {len(seeds)} seeds",
+         reward_name=spec.reward_name, threshold=threshold, episodes=args.episodes, window=args.window)
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--task", choices=sorted(TASKS), default="synthetic")
+    p.add_argument("--arms", nargs="+", default=["trl112", "defaults"], help="arm names (see --list-arms)")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME:field=value,...",
+                   help="add an arm: PPOConfig overrides (JSON values); reward=VARIANT, trainer=trl112 also")
+    p.add_argument("--seeds", type=int, default=8, help="seeds 0 .. N-1 (default 8)")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--episodes", type=int, default=None, help="episodes per run (default: the example's)")
+    p.add_argument("--hidden-size", type=int, default=None, help="tiny models' hidden size (default: the example's)")
+    p.add_argument("--window", type=int, default=4, help="updates averaged for each reported value (default 4)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="reward to reach (default: the trl112 arm's mean final reward)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run counts as crashed")
+    p.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="a python with TRL <= 1.12 for the trl112 arm")
+    p.add_argument("--out", type=Path, default=Path("outputs/sample_efficiency"))
+    p.add_argument("--rerun-crashed", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="only read the logs: table and plot")
+    p.add_argument("--list-arms", action="store_true")
+    p.add_argument("--prepare", type=int, metavar="SEED", help=argparse.SUPPRESS)
+    p.add_argument("--run", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
+    p.add_argument("--arm-json", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    spec = TASKS[args.task]
+    args.episodes = args.episodes or spec.episodes
+    args.hidden_size = args.hidden_size or spec.hidden_size
+    task_dir = args.out / args.task
+    if args.prepare is not None:
+        prepare(args.task, args.prepare, task_dir / "_models" / f"seed{args.prepare}", args.hidden_size)
+        return 0
+    if args.run is not None:
+        arm_name, seed = args.run[0], int(args.run[1])
+        run_one(args.task, Arm(**json.loads(args.arm_json)), seed, model_dir=task_dir / "_models" / f"seed{seed}",
+                episodes=args.episodes, hidden_size=args.hidden_size, out=task_dir / arm_name / f"{seed}.jsonl")
+        return 0
+
+    arms = dict(ARMS)
+    arms.update(parse_arm(text) for text in args.arm)
+    if args.list_arms:
+        for name, arm in arms.items():
+            print(f"{name:14} {arm.trainer:7} reward={arm.reward:8} {json.dumps(arm.overrides)}  {arm.note}")
+        return 0
+    wanted = list(dict.fromkeys(args.arms + [parse_arm(t)[0] for t in args.arm]))
+    unknown = [a for a in wanted if a not in arms]
+    if unknown:
+        raise SystemExit(f"--arms {unknown}: unknown; pick from {sorted(arms)} or add one with --arm.")
+    sys.path.insert(0, str(ROOT))
+    from trl_ppo_ext import PPOConfig
+
+    config_fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    chosen = {}
+    for name in wanted:
+        missing = missing_fields(arms[name], config_fields)
+        if missing:
+            print(f"note: arm {name!r} left out: PPOConfig here has no {', '.join(missing)}")
+        elif arms[name].trainer == "trl112" and (why := trl_python_ok(args.trl_python)):
+            print(f"note: arm {name!r} left out: {why}")
+        else:
+            chosen[name] = arms[name]
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if not args.report_only:
+        execute(args, task_dir, chosen, seeds, {"ours": sys.executable, "trl112": args.trl_python})
+    print(report(args, task_dir, list(chosen), seeds))
+    print(f"table: {task_dir / 'table.md'}\nplot: {args.out / (args.task + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
