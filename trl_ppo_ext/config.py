@@ -164,9 +164,9 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         super().__post_init__()  # TRL's and transformers' checks (they do not chain to GuardSettings)
         GuardSettings.__post_init__(self)
         self._check_ppo_fields()
-        VLLMArguments.__post_init__(self)  # field checks; use_vllm without vLLM: ImportError naming the extra
         if self.use_vllm:
-            self._check_vllm_run()
+            self._check_vllm_run()  # values the user must change come before the install hint below
+        VLLMArguments.__post_init__(self)  # field checks; use_vllm without vLLM: ImportError naming the extra
 
     def _check_vllm_run(self) -> None:
         """What a vLLM run needs that its fields alone do not say; refused here, before anything
