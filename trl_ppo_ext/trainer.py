@@ -53,6 +53,7 @@ from .config import PPOConfig
 from .data import PromptCollator
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
+from .generation.base import VLLM_MIN_TEMPERATURE
 from .generation.mismatch import importance_sampling_weights
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
@@ -735,7 +736,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     @torch.no_grad()
     def generate_rollout(self, batch, temperature: float | None = None) -> SampledBatch:
         """Sample responses to a batch of prompts with the current policy at ``temperature``
-        (default: ``args.temperature``); ``score_rollout`` scores them."""
+        (default: ``args.temperature``); ``score_rollout`` scores them.
+
+        With ``use_vllm`` the vLLM engine samples (``sample_with_engine``), except at a
+        ``temperature`` below ``VLLM_MIN_TEMPERATURE`` asked for here (greedy evaluation, which
+        training never samples at: the config refuses it), where vLLM's log-probs are wrong and
+        transformers' ``generate`` samples instead."""
         args, tok = self.args, self.processing_class
         queries, query_mask = self._prompt_tensors(batch)
         temperature = args.temperature if temperature is None else temperature
@@ -744,7 +750,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         ) as unwrapped:
             policy = unwrapped.policy
             engine_logprobs = None
-            if args.use_vllm:
+            if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
                 raw, engine_logprobs = self.sample_with_engine(policy, queries, query_mask, temperature)
             else:
                 pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
