@@ -1029,10 +1029,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
+        weights = None if mb.engine_logprobs is None else self.sampling_weights(mb)  # sampled by vLLM
         return ppo_loss(
             new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
             advantages=adv.advantages, returns=adv.returns, response_mask=mb.response_mask, num_tokens=num_tokens,
-            pg_weights=self.sampling_weights(mb), **loss_settings(self.args),
+            pg_weights=weights, **loss_settings(self.args),
         )
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
