@@ -105,3 +105,25 @@ def test_killed_and_resumed_vllm_run_ends_equal_to_the_unbroken_run(tmp_path):
     logs_b = json.loads((tmp_path / "b" / "logs_resume.json").read_text())
     key = "sampling/sampling_logp_difference/max"
     assert [h[key] for h in logs_a][3:] == [h[key] for h in logs_b][-3:]
+
+
+def test_the_verifiable_example_runs_with_use_vllm(tmp_path):
+    """`examples/ppo_verifiable.py --use_vllm`, reduced: the demo model gets head_dim 32, the
+    summary records use_vllm, and every update's sampler mismatch stays below the bound (the
+    learning figures, with and without vLLM, are in the README)."""
+    root = Path(__file__).parents[1]
+    out = tmp_path / "verifiable"
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    args = ["--num_values", "8", "--num_sft_pairs", "16", "--num_held_out_pairs", "8", "--max_ppo_pairs", "32",
+            "--sft_steps", "5", "--total_episodes", "32", "--per_device_train_batch_size", "8",
+            "--gradient_accumulation_steps", "2", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
+            "--num_train_pairs_evaluated", "8", "--output_dir", str(out), "--use_vllm"]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "ppo_verifiable.py"), *args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["ppo"]["use_vllm"] is True
+    assert summary["settings"]["policy"]["hidden_size"] == 128
+    history = json.loads((out / "log_history.json").read_text())
+    diffs = [h["sampling/sampling_logp_difference/max"] for h in history if "objective/scores" in h]
+    assert len(diffs) == 2 and all(d < LOGP_BOUND for d in diffs), diffs
