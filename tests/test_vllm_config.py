@@ -13,6 +13,7 @@ from transformers import HfArgumentParser
 
 from trl_ppo_ext import PPOConfig
 from trl_ppo_ext.generation.arguments import VLLMArguments, vllm_installed
+from trl_ppo_ext.generation.base import EngineSamples, GenerationEngine
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from tiny_setup import tiny_config  # noqa: E402
@@ -76,3 +77,84 @@ def test_use_vllm_false_keeps_the_transformers_path(make_trainer):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert len(logs) == 1 and not any(k.startswith("sampling/") for k in logs[0])
+
+
+class ScriptedEngine(GenerationEngine):
+    """An engine without vLLM: answers every prompt with ``completion`` and log-prob ``logprob``
+    per token; records pushes, sleeps and closing."""
+
+    def __init__(self, completion, logprob=-1.0):
+        self.completion, self.logprob = list(completion), logprob
+        self.pushes, self.sleeps, self.closed, self.settings = [], 0, False, None
+
+    def generate(self, prompts, settings, generator=None):
+        self.settings = settings
+        return EngineSamples([self.completion[: settings.max_tokens] for _ in prompts],
+                             [[self.logprob] * min(len(self.completion), settings.max_tokens) for _ in prompts])
+
+    def _push_policy(self, policy, version):
+        self.pushes.append(version)
+
+    def sleep(self):
+        self.sleeps += 1
+
+    def close(self):
+        self.closed = True
+
+
+def _with_engine(trainer, engine):
+    trainer.args.use_vllm = True  # as PPOConfig(use_vllm=True) where vLLM is installed
+    trainer.engine = engine
+    return trainer
+
+
+def test_rollout_through_an_engine_pushes_once_per_version_and_keeps_its_logprobs(make_trainer):
+    trainer = make_trainer(total_episodes=8)
+    eos = trainer.processing_class.eos_token_id
+    engine = ScriptedEngine([7, 8, eos, 9], logprob=-0.5)  # stops at <eos>: 3 tokens count
+    _with_engine(trainer, engine)
+    batch = next(iter(trainer.dataloader))
+    first = trainer.generate_rollout(batch)
+    trainer.generate_rollout(batch)
+    assert engine.pushes == [0] and engine.sleeps == 2  # same policy version: no second push
+    assert engine.settings.max_tokens == trainer.args.response_length
+    assert engine.settings.temperature == trainer.args.temperature
+    assert engine.settings.stop_token_ids == tuple(trainer.stop_token_ids)
+    T = trainer.args.response_length
+    assert first.response_mask.tolist() == [[True] * 3 + [False] * (T - 3)] * first.batch_size
+    assert first.responses[:, :3].tolist() == [[7, 8, eos]] * first.batch_size
+    assert first.engine_logprobs.tolist() == [[-0.5] * 3 + [0.0] * (T - 3)] * first.batch_size  # 0 off the mask
+    assert first.has_stop.all()
+    greedy = trainer.generate_rollout(batch, temperature=0.0)  # below vLLM's floor: transformers samples
+    assert greedy.engine_logprobs is None and engine.pushes == [0]
+
+
+def test_training_through_an_engine_logs_the_sampling_keys_and_closes_it(make_trainer):
+    trainer = make_trainer(total_episodes=8)  # 2 updates of 4
+    engine = ScriptedEngine([7, 8, 9], logprob=-1.0)
+    _with_engine(trainer, engine)
+    trainer.train()
+    assert engine.pushes == [0, 1] and engine.closed and trainer.engine is None
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    for h in logs:
+        mean, high = h["sampling/sampling_logp_difference/mean"], h["sampling/sampling_logp_difference/max"]
+        assert 0 < mean <= high  # the scripted -1.0 is not the tiny policy's log-prob
+        assert h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/mean"]
+        assert h["sampling/importance_sampling_ratio/mean"] <= h["sampling/importance_sampling_ratio/max"] <= 3.0
+
+
+def test_the_engine_is_closed_when_training_fails(make_trainer):
+    class Broken(RuntimeError):
+        pass
+
+    trainer = make_trainer(total_episodes=8)
+    engine = ScriptedEngine([7, 8, 9])
+    _with_engine(trainer, engine)
+
+    def fail(update):
+        raise Broken("update failed")
+
+    trainer.run_update = fail
+    with pytest.raises(Broken):
+        trainer.train()
+    assert engine.closed and trainer.engine is None
