@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One CUDA GPU, at most ~8 minutes: the GPU tests, real fp16 with an overflow, the memory benchmark (checkpointing off
 # and on, bf16; peak allocated, peak reserved and the CUDA context; the memory model beside
-# each set-up) and the throughput benchmark with synchronized timers.
+# each set-up) and the throughput benchmark with synchronized timers (with vLLM installed, also its
+# vLLM-vs-transformers arms).
 #
 #     bash benchmarks/gpu_check.sh [OUT_DIR]        # default ./gpu_out
 #
@@ -77,5 +78,14 @@ step memory_400m_bf16_ckpt 90 "$PY" benchmarks/memory.py $MEM400 --gradient-chec
 
 # 4. Throughput with CUDA-synchronized phase timers, bf16 autocast.
 step throughput_bf16 70 "$PY" benchmarks/throughput.py --device cuda --bf16 --sizes tiny,100m --repeats 2
+
+# 5. Issue 20: rollouts sampled by a colocated vLLM engine vs transformers' generate, both layouts,
+#    100m (fp32 weights, bf16 autocast in training; the engine samples in the weights' dtype).
+#    Needs vLLM in $PY (pip install -e ".[vllm]"); left out, and said so, without it.
+if "$PY" -c "import vllm" > /dev/null 2>&1; then
+    step throughput_vllm 120 "$PY" benchmarks/throughput.py --device cuda --bf16 --vllm --sizes 100m --repeats 2
+else
+    echo "throughput_vllm: skipped (vLLM not installed in $PY)" | tee -a "$SUMMARY"
+fi
 
 echo "total: $(( $(date +%s) - START )) s; logs in $OUT" | tee -a "$SUMMARY"

@@ -1,7 +1,8 @@
-"""PPO update throughput: TRL's own trainer vs ours (separate models, shared LoRA actor-critic).
+"""PPO update throughput: TRL's own trainer vs ours (separate models, shared LoRA actor-critic),
+and (``--vllm``) ours sampling with transformers' ``generate`` vs with a colocated vLLM engine.
 
     python benchmarks/throughput.py [--sizes tiny,100m] [--repeats 3] [--updates N]
-        [--ppo-epochs 1] [--threads 1] [--device cpu|cuda] [--bf16]
+        [--ppo-epochs 1] [--threads 1] [--device cpu|cuda] [--bf16] [--vllm [--enforce-eager]]
 
 Three contenders, same random Llama-shaped models (tiny: hidden 32, 2 layers, 46-token
 vocabulary; 100m: hidden 768, 12 layers, 12 heads, intermediate 2048, 8000-token
@@ -53,6 +54,15 @@ The last two lines are ``throughput ratio separate/upstream: <x.xx>`` and
 ``throughput ratio shared/upstream: <x.xx>`` (median episodes/s, for 100m when it ran,
 else the last size). Timings are never asserted.
 
+``--vllm`` (vLLM installed; the 100m size, whose head_dim 64 vLLM's CPU attention takes): the
+contenders are ours, separate and shared, each with ``use_vllm=False`` and ``use_vllm=True``
+(``vllm_mode="colocate"``, TRL GRPO's defaults, the importance-sampling correction on), same
+models, prompts and seeds, alternating in one process; the engine is built with the trainer
+(not timed) and its first, compiling call falls in the warm-up update. "generate" then
+includes pushing the updated weights to the engine. The last lines are the vLLM/transformers
+ratios of episodes/s and of generation seconds per rollout. ``--enforce-eager`` builds the
+engines without compilation or CUDA graphs.
+
 The upstream contender needs a TRL that has a PPO trainer (1.0 - 1.12; 1.13 removed it). With
 a newer TRL it is left out, the run says so, ratios are taken to ``separate`` and the last
 line is ``throughput ratio shared/separate: <x.xx>``.
@@ -91,8 +101,10 @@ SIZES = {  # words: ordinary words in the tokenizer (+6 special tokens = vocabul
     "100m": dict(words=7994, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048),
 }
 DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one warm-up
-CONTENDERS = ("upstream", "separate", "shared")
-LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "ours, shared LoRA"}
+CONTENDERS = ("upstream", "separate", "shared", "separate_vllm", "shared_vllm")
+VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
+LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "ours, shared LoRA",
+          "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM"}
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (8, 16), 64, 0
 LORA_R, LORA_ALPHA = 16, 32
 TOP_PHASES = ("generate", "score", "advantages", "update", "gc", "other")
@@ -308,8 +320,10 @@ class PristineModels:
         return copy.deepcopy(getattr(self, name))
 
 
-def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cfg: dict, clock: Clock):
-    """A fresh trainer on fresh copies of the models; ``clock`` sees its update ends."""
+def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cfg: dict, clock: Clock,
+                  engine_kwargs: dict | None = None):
+    """A fresh trainer on fresh copies of the models; ``clock`` sees its update ends. A
+    ``*_vllm`` contender is its base contender with ``use_vllm=True``."""
     from peft import LoraConfig
     from transformers import PrinterCallback
 
@@ -317,6 +331,8 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     from trl_ppo_ext.modeling import SharedActorCritic
 
     common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
+    if contender.endswith("_vllm"):
+        contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender == "upstream":
         from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer  # TRL 1.0 - 1.12 only
 
@@ -325,14 +341,14 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
                                 reward_model=models.fresh("reward"), **common)
     elif contender == "separate":
         cls = timed_ours_class()
-        cls.clock = clock
+        cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
         trainer = cls(args=PPOConfig(**cfg), model=models.fresh("policy"), ref_model=models.fresh("policy"),
                       value_model=models.fresh("value"), reward_model=models.fresh("reward"), **common)
     else:
         lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
         cls = timed_ours_class()
-        cls.clock = clock
+        cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
         trainer = cls(args=PPOConfig(**cfg), model=SharedActorCritic(models.fresh("policy"), lora_config=lora),
                       ref_model=None, value_model=None, reward_model=models.fresh("reward"), **common)
     trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
@@ -346,7 +362,8 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
         cfg = config_kwargs(out, updates, args.ppo_epochs, args.device, args.bf16)
         torch.manual_seed(SEED)
         np.random.seed(SEED)  # upstream shuffles mini-batches with numpy
-        trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock)
+        engine_kwargs = {"enforce_eager": True} if args.enforce_eager else None
+        trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock, engine_kwargs)
         with timed_update_parts(trainer, clock):
             if contender == "upstream":
                 with timed_upstream(trainer, clock), redirect_stdout(io.StringIO()):  # "===training policy==="
@@ -424,7 +441,22 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
               f"{eps[c] / eps[ref]:>8.2f}x | {tps[c] / tps[ref]:>8.2f}x | "
               + ", ".join(f"{p:.2f}" for p in paired))
     print_phase_table(results)
+    print_vllm_ratios(results)
     return eps
+
+
+def print_vllm_ratios(results: dict[str, list[dict]]) -> None:
+    """For each layout run both ways: vLLM/transformers ratios of median episodes/s and median
+    generation seconds per rollout (one rollout per update)."""
+    for base in ("separate", "shared"):
+        if base not in results or f"{base}_vllm" not in results:
+            continue
+        hf, vllm = results[base], results[f"{base}_vllm"]
+        eps = [median_of(r, lambda s: s["episodes"] / s["seconds"]) for r in (hf, vllm)]
+        gen = [median_of(r, lambda s: s["phases"].get("generate", 0.0) / s["updates"]) for r in (hf, vllm)]
+        print(f"{base}: generation s per rollout transformers {gen[0]:.3f}, vLLM {gen[1]:.3f} "
+              f"({gen[0] / gen[1]:.2f}x faster); episodes/s {eps[0]:.3f} vs {eps[1]:.3f}: "
+              f"throughput ratio {base} vllm/transformers: {eps[1] / eps[0]:.2f}")
 
 
 def print_phase_table(results: dict[str, list[dict]]) -> None:
@@ -474,7 +506,8 @@ def describe_machine(args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,100m", help="comma-separated: " + ", ".join(SIZES))
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated: " + ", ".join(SIZES) + " (default tiny,100m; with --vllm, 100m)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--updates", type=int, default=None,
                         help=f"timed updates per run, after one warm-up (default {DEFAULT_UPDATES})")
@@ -482,12 +515,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, see above)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--bf16", action="store_true", help="PPOConfig(bf16=True) for every contender (CUDA only)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="ours with and without use_vllm=True (needs vLLM; not the tiny size on a CPU)")
+    parser.add_argument("--enforce-eager", action="store_true", help="--vllm: engines without compilation")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device.")
     if args.bf16 and args.device != "cuda":
         parser.error("--bf16 needs --device cuda (on the CPU the package computes in fp32).")
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    sizes = [s.strip() for s in (args.sizes or ("100m" if args.vllm else "tiny,100m")).split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown or not sizes:
         parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
@@ -503,7 +539,16 @@ def main() -> None:
     started = time.perf_counter()
     print(describe_machine(args), flush=True)
     contenders, missing = available_contenders()
-    if missing:
+    if args.vllm:
+        if args.device == "cpu":  # vLLM's CPU settings (docs/vllm.md), where unset
+            for name, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                                ("OMP_NUM_THREADS", str(args.threads))):
+                os.environ.setdefault(name, value)
+        contenders, missing = VLLM_CONTENDERS, None
+        if "tiny" in sizes and args.device == "cpu":
+            parser.error("--vllm on a CPU: the tiny size's head_dim 8 has no vLLM CPU attention kernel; "
+                         "use --sizes 100m")
+    elif missing:
         print(missing, flush=True)
     ratios = {}
     for size in sizes:
@@ -511,6 +556,8 @@ def main() -> None:
         ratios[size] = print_size_table(size, results, args, param_counts)
     print(f"\ntotal runtime: {time.perf_counter() - started:.0f} s")
     eps = ratios[sizes[-1]] if "100m" not in ratios else ratios["100m"]
+    if args.vllm:
+        return  # the vLLM/transformers ratios were printed under each size's table
     if missing:
         print(f"throughput ratio shared/separate: {eps['shared'] / eps['separate']:.2f} (no upstream arm, see above)")
         return

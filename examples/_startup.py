@@ -21,3 +21,27 @@ except ModuleNotFoundError:  # run from a source checkout without `pip install -
     if not (ROOT / "trl_ppo_ext").is_dir():
         raise
     sys.path.insert(0, str(ROOT))
+
+
+# vLLM's CPU attention kernels take head sizes 32, 64, 80, 96, 112, 128, ... (docs/vllm.md).
+VLLM_MIN_HEAD_DIM = 32
+
+
+def vllm_demo_hidden_size(hidden_size: int, use_vllm: bool, num_heads: int = 4) -> int:
+    """The demo model's hidden size: ``hidden_size``, or with ``--use_vllm`` the smallest one whose
+    heads vLLM's CPU attention takes (the tiny demo's 32 / 4 heads = head_dim 8 has no kernel)."""
+    if not use_vllm or hidden_size // num_heads >= VLLM_MIN_HEAD_DIM:
+        return hidden_size
+    print(f"--use_vllm: the demo model's hidden_size goes from {hidden_size} to {VLLM_MIN_HEAD_DIM * num_heads} "
+          f"(head_dim {VLLM_MIN_HEAD_DIM}: vLLM's CPU attention has no kernel for {hidden_size // num_heads}).")
+    return VLLM_MIN_HEAD_DIM * num_heads
+
+
+def vllm_cpu_defaults(use_vllm: bool) -> None:
+    """On a machine without CUDA, vLLM's CPU settings the docs give, where unset: a 1 GiB KV cache
+    (else it takes gpu_memory_utilization of the RAM) and no core binding."""
+    import torch
+
+    if use_vllm and not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

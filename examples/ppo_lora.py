@@ -60,7 +60,7 @@ import os  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
-import _startup  # noqa: E402, F401  (env defaults; the package from a source checkout)
+import _startup  # noqa: E402  (env defaults; the package from a source checkout)
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import HfArgumentParser, ProgressCallback, set_seed  # noqa: E402
@@ -562,7 +562,7 @@ PPO_SETTINGS = ("learning_rate", "total_episodes", "batch_size", "num_total_batc
                 "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs", "response_length", "temperature",
                 "kl_coef", "kl_estimator", "cliprange", "cliprange_value", "vf_coef", "entropy_coef", "gamma", "lam",
                 "whiten_rewards", "whiten_advantages", "missing_eos_penalty", "stop_token", "stop_token_id",
-                "lr_scheduler_type", "max_grad_norm", "bf16", "offload_reward_model", "seed")
+                "lr_scheduler_type", "max_grad_norm", "bf16", "offload_reward_model", "use_vllm", "seed")
 
 
 def build_summary(setup: Setup, trainer: PPOTrainer, before: Evaluation, after: Evaluation, *, script, model_args,
@@ -623,6 +623,9 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     script, config, model_args = parse_args(argv)
     check_arguments(script, config, model_args)
     threads = set_cpu_threads(script.num_threads)
+    _startup.vllm_cpu_defaults(config.use_vllm)
+    if script.model_name_or_path is None:
+        script.hidden_size = _startup.vllm_demo_hidden_size(script.hidden_size, config.use_vllm)
     set_seed(config.seed)
     setup = (build_demo if script.model_name_or_path is None else build_real)(script, config, model_args)
 

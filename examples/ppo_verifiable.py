@@ -63,7 +63,7 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _startup, ppo_lora, verifiable_task
-import _startup  # noqa: E402, F401  (env defaults; the package from a source checkout)
+import _startup  # noqa: E402  (env defaults; the package from a source checkout)
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from ppo_lora import DEMO_LORA_TARGETS, UpdateLineProgress, set_cpu_threads  # noqa: E402
@@ -258,7 +258,7 @@ PPO_SETTINGS = ("learning_rate", "total_episodes", "batch_size", "num_total_batc
                 "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs", "response_length", "temperature",
                 "kl_coef", "kl_estimator", "cliprange", "cliprange_value", "vf_coef", "entropy_coef", "gamma", "lam",
                 "whiten_rewards", "whiten_advantages", "missing_eos_penalty", "stop_token", "reward_weights",
-                "lr_scheduler_type", "max_grad_norm", "seed")
+                "lr_scheduler_type", "max_grad_norm", "use_vllm", "seed")
 
 
 def build_summary(before: dict, after: dict, *, trainer: PPOTrainer, task, split, task_args: TaskArguments,
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     start = time.perf_counter() if start_time is None else start_time
     task_args, config = parse_args(argv)
     threads = set_cpu_threads(task_args.num_threads)
+    _startup.vllm_cpu_defaults(config.use_vllm)
+    task_args.hidden_size = _startup.vllm_demo_hidden_size(task_args.hidden_size, config.use_vllm)
     set_seed(config.seed)
     task = build_task(task_args.operation, task_args.num_values)
     split = split_pairs(task, num_sft=task_args.num_sft_pairs, num_held_out=task_args.num_held_out_pairs,

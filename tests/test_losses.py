@@ -79,3 +79,30 @@ def test_loss_settings_reads_the_config_fields(make_config):
                          dual_clip=3.0)
     assert loss_settings(config) == dict(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02,
                                          cliprange_high=0.35, dual_clip=3.0)
+
+
+def test_pg_weights_multiply_each_tokens_surrogate_and_leave_the_value_loss():
+    # per valid token, unweighted (test_composition_by_hand): 1.2, -0.8, 2; weights 0.5, 2, 3:
+    #   pg_loss = -(0.5 * 1.2 + 2 * -0.8 + 3 * 2) / 3 = -(0.6 - 1.6 + 6) / 3 = -5 / 3
+    weights = torch.tensor([[0.5, 2.0, 9.0], [3.0, 9.0, 9.0]])  # 9 where the mask is False: never read
+    plain_loss, plain = ppo_loss(**inputs())
+    loss, stats = ppo_loss(**inputs(), pg_weights=weights)
+    assert stats["pg_loss"].item() == pytest.approx(-5 / 3, abs=1e-6)
+    assert stats["vf_loss"].item() == plain["vf_loss"].item()  # the value loss is not weighted
+    assert stats["entropy"].item() == plain["entropy"].item()
+    assert loss.item() == pytest.approx(plain_loss.item() + (-5 / 3 + 0.8), abs=1e-6)
+    assert stats["pg_clipfrac"].item() == pytest.approx(2 / 3, abs=1e-6)  # same choices: weights > 0
+
+
+def test_pg_weights_per_sequence_broadcast_and_scale_the_gradient():
+    # (B, 1) weights 0.5 and 3: row 0's tokens 1.2 and -0.8 get 0.5, row 1's 2 gets 3:
+    #   pg_loss = -(0.6 - 0.4 + 6) / 3 = -6.2 / 3
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.0], [1.0, 1.0, 1.0]])).requires_grad_(True)
+    advantages = torch.tensor([[1.0, -1.0, 5.0], [2.0, 5.0, 5.0]])
+    loss, stats = ppo_loss(**inputs(new_logprobs=new, advantages=advantages, vf_coef=0.0, entropy_coef=0.0),
+                           pg_weights=torch.tensor([[0.5], [3.0]]))
+    assert stats["pg_loss"].item() == pytest.approx(-6.2 / 3, abs=1e-6)
+    loss.backward()
+    # only row 1's token is unclipped: d/d logp of -(w * r * A) / 3 = -3 * 1 * 2 / 3 = -2; clipped tokens: 0
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 0.0, 0.0], [-2.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert advantages.tolist() == [[1.0, -1.0, 5.0], [2.0, 5.0, 5.0]]  # the caller's tensor is unchanged

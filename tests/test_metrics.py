@@ -10,6 +10,7 @@ from trl_ppo_ext.advantages import PPOTargets
 from trl_ppo_ext.metrics import (
     evaluation_row,
     reward_statistics,
+    sampling_metrics,
     show_completions,
     update_metrics,
     update_statistics,
@@ -130,3 +131,27 @@ def test_show_completions_prints_the_first_five_rows(capsys):
     show_completions(df, report_to=[])
     out = capsys.readouterr().out
     assert "q4" in out and "q5" not in out and "query" in out
+
+
+def test_sampling_metrics_by_hand_over_two_processes():
+    # this process: |old - engine| = 0.5, 0 (the third token is masked out) -> mean 0.25, max 0.5;
+    # token_truncate weights exp(0.5) = 1.6487, exp(0) = 1 -> min 1, mean 1.3244, max 1.6487
+    rollout = SimpleNamespace(logprobs=torch.tensor([[-1.0, -2.0, -3.0]]),
+                              engine_logprobs=torch.tensor([[-1.5, -2.0, -9.0]]),
+                              response_mask=torch.tensor([[True, True, False]]))
+    other = torch.tensor([[0.75, 0.9, 0.2, 1.0, 2.5]])  # the other process's mean, max, min, mean, max
+    metrics = sampling_metrics(rollout, gather=lambda t: torch.cat([t, other]), device="cpu", correction=True,
+                               mode="token_truncate", clip_max=3.0)
+    e = math.exp(0.5)
+    assert metrics == pytest.approx({
+        "sampling/sampling_logp_difference/mean": (0.25 + 0.75) / 2,  # mean of the means
+        "sampling/sampling_logp_difference/max": 0.9,  # max of the maxima
+        "sampling/importance_sampling_ratio/min": 0.2,  # min of the minima
+        "sampling/importance_sampling_ratio/mean": ((e + 1) / 2 + 1.0) / 2,
+        "sampling/importance_sampling_ratio/max": 2.5,
+    }, abs=1e-6)
+    without = sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=False)
+    assert without == pytest.approx({"sampling/sampling_logp_difference/mean": 0.25,
+                                     "sampling/sampling_logp_difference/max": 0.5}, abs=1e-6)
+    rollout.engine_logprobs = None  # sampled by transformers: nothing to log
+    assert sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=True) == {}

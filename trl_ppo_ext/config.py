@@ -22,6 +22,8 @@ from typing import Literal
 
 from ._compat import PPOConfigBase
 from .functional import KL_ESTIMATORS
+from .generation.arguments import VLLMArguments
+from .generation.base import VLLM_MIN_TEMPERATURE
 from .guards import GuardSettings
 from .preemption import ON_SIGTERM_CHOICES
 
@@ -36,11 +38,12 @@ def _bf16_available() -> bool:
 
 
 @dataclass
-class PPOConfig(PPOConfigBase, GuardSettings):
+class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
     r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
     guard-rail thresholds of [`trl_ppo_ext.guards.GuardSettings`] (``nonfinite_halt_after``,
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
-    plus:
+    TRL GRPO's vLLM fields of [`trl_ppo_ext.generation.arguments.VLLMArguments`] (``use_vllm``,
+    ``vllm_mode``, ``vllm_importance_sampling_correction``, ...; see docs/vllm.md), plus:
 
     Parameters:
         entropy_coef (`float`, defaults to `0.0`):
@@ -203,6 +206,28 @@ class PPOConfig(PPOConfigBase, GuardSettings):
         self._read_recipe_values()
         self._check_ppo_fields()
         self._check_recipe_fields()
+        if self.use_vllm:
+            self._check_vllm_run()  # values the user must change come before the install hint below
+        VLLMArguments.__post_init__(self)  # field checks; use_vllm without vLLM: ImportError naming the extra
+
+    def _check_vllm_run(self) -> None:
+        """What a vLLM run needs that its fields alone do not say; refused here, before anything
+        of the run is built."""
+        if self.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(
+                f"PPOConfig.temperature={self.temperature} with use_vllm=True: below {VLLM_MIN_TEMPERATURE} vLLM's "
+                "sampled-token log-probs no longer match the trainer's log_softmax(logits / temperature) "
+                "(docs/vllm.md). "
+                f"Sample at temperature >= {VLLM_MIN_TEMPERATURE}, or set use_vllm=False for near-greedy sampling."
+            )
+        import torch
+
+        if self.vllm_mode == "server" and not torch.cuda.is_available():
+            raise ValueError(
+                "PPOConfig.vllm_mode='server' with use_vllm=True needs CUDA on the trainer: the policy's weights "
+                "reach the server over NCCL after every update, and this machine has no CUDA device. Use "
+                "vllm_mode='colocate' (an engine inside this process; works on a CPU), or use_vllm=False."
+            )
 
     def _check_ppo_fields(self) -> None:
         if self.kl_estimator not in KL_ESTIMATORS:

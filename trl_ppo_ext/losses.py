@@ -64,6 +64,7 @@ def ppo_loss(
     loss_type: str = "dapo",
     num_sequences: torch.Tensor | None = None,
     max_completion_length: int | None = None,
+    pg_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO loss (see the module docstring) and its statistics.
 
@@ -84,6 +85,13 @@ def ppo_loss(
             micro-batch's own.
         max_completion_length: Dr. GRPO's constant length (``PPOConfig.response_length``);
             None: this micro-batch's T.
+        pg_weights: non-negative weights of the policy-gradient term, ``(B, T)`` per token or
+            ``(B, 1)`` per sequence (the sampler's importance weights,
+            ``generation.mismatch.importance_sampling_weights``): each token's clipped
+            objective is multiplied by its weight, as TRL GRPO multiplies its per-token loss;
+            the divisor is unchanged and the value loss and entropy are not weighted. Applied
+            as ``advantages * w``, which is the same since ``min(r wA, clip(r) wA) = w min(rA,
+            clip(r) A)`` for ``w >= 0``. None: no weighting.
 
     Returns:
         ``(loss, stats)``: the differentiable scalar loss, and detached scalars that are this
@@ -91,6 +99,8 @@ def ppo_loss(
         ``entropy``, ``loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
         ``pg_clipfrac_dual``, ``vf_clipfrac``, ``approxkl``, ``ratio_mean``, ``ratio_max``.
     """
+    if pg_weights is not None:
+        advantages = advantages * pg_weights.to(advantages.dtype)  # a new tensor: the caller's is unchanged
     pg_loss, pg_stats = F.masked_clipped_surrogate(
         new_logprobs, old_logprobs, advantages, response_mask, cliprange, num_tokens,
         cliprange_high=cliprange_high, dual_clip=dual_clip, loss_type=loss_type,

@@ -89,6 +89,31 @@ def update_metrics(
     return metrics
 
 
+@torch.no_grad()
+def sampling_metrics(rollout: Rollout, *, gather: Gather, device: torch.device | str, correction: bool,
+                     mode: str = "sequence_mask", clip_min: float | None = None,
+                     clip_max: float | None = 3.0) -> dict[str, float]:
+    """TRL GRPO's ``sampling/*`` keys for a rollout sampled by an engine (``rollout.engine_logprobs``
+    set; ``{}`` otherwise): ``sampling/sampling_logp_difference/mean|max`` and, with ``correction``,
+    ``sampling/importance_sampling_ratio/min|mean|max`` (``generation.mismatch.sampling_correction``
+    on this process's rollout), combined over processes as mean of the means, max of the maxima,
+    min of the minima (one gather)."""
+    from .generation.mismatch import sampling_correction
+
+    if rollout.engine_logprobs is None:
+        return {}
+    _, stats = sampling_correction(rollout.logprobs, rollout.engine_logprobs, rollout.response_mask,
+                                   correction=correction, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    names = list(stats)
+    values = gather(torch.stack([stats[k].float().to(device) for k in names])[None]).reshape(-1, len(names))
+    combined = {}
+    for i, name in enumerate(names):
+        column = values[:, i]
+        combined[name] = float(column.max() if name.endswith("/max") else column.min() if name.endswith("/min")
+                               else column.mean())
+    return combined
+
+
 def reward_statistics(
     values: torch.Tensor, applies: torch.Tensor, names: Sequence[str], *, gather: Gather
 ) -> dict[str, float]:

@@ -49,6 +49,9 @@ class SampledBatch:
     response_mask: torch.Tensor  # (B, T) bool: generated tokens up to and including the stop token
     has_stop: torch.Tensor  # (B,) bool: the response ended with the stop token
     policy_version: int = 0  # optimizer updates done when this batch was sampled (policy lag)
+    # (B, T) float32: the sampling engine's log pi_engine(a_t | s_t) (vLLM), 0 where response_mask is
+    # False, NaN where the engine gave none; None when transformers' generate sampled the batch
+    engine_logprobs: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)  # other dataset columns, name -> list of B values
 
     @property

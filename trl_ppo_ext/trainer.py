@@ -52,11 +52,21 @@ from .checkpointing import CheckpointMixin, clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
+from .generation import SamplingSettings, build_vllm_engine, sample_responses
+from .generation.base import VLLM_MIN_TEMPERATURE
+from .generation.mismatch import importance_sampling_weights
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
 from .manifest import ManifestMixin
-from .metrics import evaluation_row, reward_statistics, show_completions, update_metrics, user_metric_rows
+from .metrics import (
+    evaluation_row,
+    reward_statistics,
+    sampling_metrics,
+    show_completions,
+    update_metrics,
+    user_metric_rows,
+)
 from .modeling import (
     disable_dropout,
     embedding_rows,
@@ -143,6 +153,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     """
 
     _tag_names = ["trl", "ppo", "trl-ppo-ext"]
+    # Further ``vllm.LLM`` keywords for the engine of ``use_vllm`` (a subclass may set them, e.g.
+    # ``{"enforce_eager": True}`` to skip compilation for a short run).
+    vllm_engine_kwargs: dict | None = None
 
     def __init__(
         self,
@@ -196,6 +209,27 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._setup_dataloaders()
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
+        self.engine = self._build_engine() if args.use_vllm else None
+
+    def _build_engine(self):
+        """The vLLM engine rollouts sample with (``use_vllm``), built from the policy itself (the
+        causal LM, or the ``PeftModel`` whose policy adapter it samples with; never the value
+        model or value adapter). Built after the process group and dataloaders exist; leaves the
+        run's RNG as it was."""
+        policy = self.unwrapped.policy
+        adapter = None
+        if self.is_peft_model:
+            adapter = getattr(self.unwrapped, "policy_adapter", None) or self.model_adapter_name \
+                or policy.active_adapter
+        return build_vllm_engine(self.args, policy, adapter=adapter, seed=self.args.seed,
+                                 engine_kwargs=self.vllm_engine_kwargs)
+
+    def close_engine(self) -> None:
+        """Release the vLLM engine (``train()`` does at its end, also on error, while the process
+        group still exists); a later rollout builds a new one."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.close()
 
     def _setup_run_control(self, eval_metrics) -> None:
         """KL controller, guard rails and the counters a checkpoint carries."""
@@ -560,6 +594,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             status, reason = "failed", f"{type(err).__name__}: {err}"
             raise
         finally:
+            self.close_engine()
             self._finish_manifest(status, reason)
         self.state.stop_reason = reason
         # Checkpoints were written at the end of each update that asked for one; none twice.
@@ -701,7 +736,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     @torch.no_grad()
     def generate_rollout(self, batch, temperature: float | None = None) -> SampledBatch:
         """Sample responses to a batch of prompts with the current policy at ``temperature``
-        (default: ``args.temperature``); ``score_rollout`` scores them."""
+        (default: ``args.temperature``); ``score_rollout`` scores them.
+
+        With ``use_vllm`` the vLLM engine samples (``sample_with_engine``), except at a
+        ``temperature`` below ``VLLM_MIN_TEMPERATURE`` asked for here (greedy evaluation, which
+        training never samples at: the config refuses it), where vLLM's log-probs are wrong and
+        transformers' ``generate`` samples instead."""
         args, tok = self.args, self.processing_class
         queries, query_mask = self._prompt_tensors(batch)
         temperature = args.temperature if temperature is None else temperature
@@ -709,19 +749,41 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
             policy = unwrapped.policy
-            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
-            config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
-            with self.accelerator.autocast():
-                raw = generate_responses(
-                    policy, queries, query_mask, config, args.response_length,
-                    tok.pad_token_id, args.local_rollout_forward_batch_size,
-                )
+            engine_logprobs = None
+            if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
+                raw, engine_logprobs = self.sample_with_engine(policy, queries, query_mask, temperature)
+            else:
+                pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
+                config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
+                with self.accelerator.autocast():
+                    raw = generate_responses(
+                        policy, queries, query_mask, config, args.response_length,
+                        tok.pad_token_id, args.local_rollout_forward_batch_size,
+                    )
         responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id)
+        if engine_logprobs is not None:
+            engine_logprobs = engine_logprobs.masked_fill(~mask, 0.0)
         return SampledBatch(
             queries=queries, query_mask=query_mask, responses=responses, response_mask=mask, has_stop=has_stop,
-            policy_version=self.state.global_step,
+            policy_version=self.state.global_step, engine_logprobs=engine_logprobs,
             extras={k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS},
         )
+
+    def sample_with_engine(self, policy, queries, query_mask, temperature: float):
+        """``(responses (B, T), engine_logprobs (B, T))`` from the vLLM engine: the policy's
+        weights are pushed first when an update changed them (once per version; under ZeRO-3
+        inside the caller's gather), request seeds come from the run's global RNG (which
+        checkpoints save: a resumed run samples what the unbroken one did)."""
+        if self.engine is None:  # closed by an earlier train()
+            self.engine = self._build_engine()
+        self.engine.load_policy(policy, self.state.global_step)
+        settings = SamplingSettings(max_tokens=self.args.response_length,
+                                    temperature=effective_temperature(temperature),
+                                    stop_token_ids=tuple(self.stop_token_ids))
+        try:
+            return sample_responses(self.engine, queries, query_mask, settings, self.processing_class.pad_token_id)
+        finally:
+            self.engine.sleep()  # sleep mode (CUDA): the engine's memory is free while the model trains
 
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
@@ -967,10 +1029,24 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
+        weights = None if mb.engine_logprobs is None else self.sampling_weights(mb)  # sampled by vLLM
         return ppo_loss(
             new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
             advantages=adv.advantages, returns=adv.returns, response_mask=mb.response_mask, num_tokens=num_tokens,
-            **loss_settings(self.args),
+            pg_weights=weights, **loss_settings(self.args),
+        )
+
+    def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
+        """The truncated importance weights ``pi_old / pi_engine`` of a micro-batch sampled by vLLM
+        (``vllm_importance_sampling_correction``; ``(b, T)`` token modes, ``(b, 1)`` sequence
+        modes), or None. Each row's weight depends on that row alone, so cutting the rollout
+        into micro-batches gives the weights of the whole rollout."""
+        args = self.args
+        if mb.engine_logprobs is None or not args.vllm_importance_sampling_correction:
+            return None
+        return importance_sampling_weights(
+            mb.logprobs, mb.engine_logprobs, mb.response_mask, args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
         )
 
     @torch.no_grad()
@@ -979,6 +1055,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         the per-reward columns and the run's counters."""
         metrics = update_metrics(rollout, adv, stats, gather=self.accelerator.gather, device=self.accelerator.device)
         metrics.update(self._reward_metrics(rollout))
+        metrics.update(sampling_metrics(
+            rollout, gather=self.accelerator.gather, device=self.accelerator.device,
+            correction=self.args.vllm_importance_sampling_correction, mode=self.args.vllm_importance_sampling_mode,
+            clip_min=self.args.vllm_importance_sampling_clip_min, clip_max=self.args.vllm_importance_sampling_clip_max,
+        ))
         metrics["policy/lag"] = float(self.counters.rollout_age)
         metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
         metrics["train/nonfinite_steps"] = float(self.counters.nonfinite_steps)

@@ -5,6 +5,8 @@
     ppo_resume.py OUT preempted        checkpoints every update, gets SIGTERM during update 4 (after
                                        its first optimizer step): checkpoints there and exits 0
     ppo_resume.py OUT resume           resumes from the latest checkpoint in OUT, to update 6
+    ... --use_vllm                     the same with rollouts sampled by a colocated vLLM engine
+                                       (head_dim 64 models; tests/test_vllm_trainer.py)
 
 Writes OUT/final_params.pt (trainable parameters) and OUT/logs.json (logged metrics).
 """
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tiny_setup import prompt_dataset, tiny_config, tiny_models  # beside this file
+from tiny_setup import VLLM_SHAPES, prompt_dataset, tiny_config, tiny_models  # beside this file
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
@@ -43,13 +45,18 @@ if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    policy, ref, value, reward = tiny_models(tok)
+    use_vllm = "--use_vllm" in sys.argv[3:]
+    policy, ref, value, reward = tiny_models(tok, **(VLLM_SHAPES if use_vllm else {}))
     args = tiny_config(
-        out, total_episodes=24, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
+        out, use_vllm=use_vllm, total_episodes=24, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        num_mini_batches=2,
         num_ppo_epochs=2, save_strategy="no" if mode == "straight" else "steps", save_steps=1,
         adaptive_kl=True, kl_target=0.01, kl_horizon=100, save_total_limit=3,
     )
     cls = {"killed": KilledDuringUpdate4, "preempted": PreemptedDuringUpdate4}.get(mode, PPOTrainer)
+    if use_vllm:  # small engines: eager, a 64 MiB KV cache
+        cls = type(cls.__name__, (cls,), {"vllm_engine_kwargs": {"enforce_eager": True,
+                                                                 "kv_cache_memory_bytes": 64 << 20}})
     trainer = cls(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                   train_dataset=prompt_dataset(tok, n=10), value_model=value)
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)

@@ -107,3 +107,24 @@ def run_and_exit(main) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# Shapes vLLM's CPU attention accepts (head_dim 64, not the default 16), for the use_vllm tests.
+VLLM_SHAPES = {"hidden_size": 128, "num_heads": 2, "max_position_embeddings": 64}
+
+
+def _vllm_trainer():
+    from trl_ppo_ext import PPOTrainer
+
+    class VllmTrainer(PPOTrainer):
+        """Small engines for tests: eager (no compilation at start), a 64 MiB KV cache."""
+
+        vllm_engine_kwargs = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
+
+    return VllmTrainer
+
+
+def __getattr__(name):  # VllmTrainer imports the trainer only when asked for
+    if name == "VllmTrainer":
+        return _vllm_trainer()
+    raise AttributeError(name)

@@ -99,6 +99,10 @@ def check_cpu_head_dim(policy: nn.Module) -> None:
         )
 
 
+# The variables a torchrun-style launcher sets, which vLLM's external launcher reads.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 # Config fields that fix the shapes of the weights: a folder whose config differs in any of them
 # (e.g. embeddings resized after loading, when a script adds a [PAD] token) cannot take the pushes.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -205,6 +209,7 @@ class VLLMColocateEngine(GenerationEngine):
         if self.sync_mode == "adapter":
             rank = engine_lora_rank(max_lora_rank or int(policy.peft_config[self.adapter].r))
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        unset = {name for name in _LAUNCHER_ENV if name not in os.environ}
         kwargs.update(self._distributed_kwargs(engine_kwargs.get("tensor_parallel_size", 1), seed))
         self._external_launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         kwargs.update(engine_kwargs)
@@ -217,6 +222,13 @@ class VLLMColocateEngine(GenerationEngine):
                 "architecture vLLM supports (and, on a CPU, a head_dim its attention backend takes). Set "
                 "use_vllm=False to sample with transformers instead."
             ) from err
+        finally:
+            # The launcher variables set for vLLM's external launcher go once the engine is built:
+            # left behind (e.g. by a second engine in one process, which finds the first one's
+            # one-process group), they make the next accelerate/transformers state in this process
+            # believe it was launched by torchrun and wait for a rendezvous that never comes.
+            for name in unset:
+                os.environ.pop(name, None)
 
     # ---------------------------------------------------------------- construction helpers
     def _choose_sync_mode(self, policy, lora_sync: str) -> str:
