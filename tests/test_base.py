@@ -78,8 +78,11 @@ def _default(f):
 
 
 def _table(cls) -> dict:
-    """name -> (type, default) of every dataclass field."""
-    return {f.name: (f.type, _default(f)) for f in fields(cls)}
+    """name -> (type, default) of every dataclass field. Types as declared: HfArgumentParser
+    rewrites ``Field.type`` in place when it parses a dataclass (``int | None`` becomes ``int``),
+    so after any test that parsed a config the fields no longer say what the class declares."""
+    declared = typing.get_type_hints(cls)
+    return {f.name: (declared[f.name], _default(f)) for f in fields(cls)}
 
 
 # --------------------------------------------------------------------------- config
