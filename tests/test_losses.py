@@ -76,9 +76,9 @@ def test_entropy_gets_a_gradient_only_with_a_positive_coefficient():
 
 def test_loss_settings_reads_the_config_fields(make_config):
     config = make_config(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02, cliprange_high=0.35,
-                         dual_clip=3.0)
+                         dual_clip=3.0, loss_type="grpo")
     assert loss_settings(config) == dict(cliprange=0.3, cliprange_value=0.4, vf_coef=0.5, entropy_coef=0.02,
-                                         cliprange_high=0.35, dual_clip=3.0)
+                                         cliprange_high=0.35, dual_clip=3.0, loss_type="grpo")
 
 
 def test_pg_weights_multiply_each_tokens_surrogate_and_leave_the_value_loss():

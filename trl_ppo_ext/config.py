@@ -21,14 +21,16 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from ._compat import PPOConfigBase
-from .functional import KL_ESTIMATORS
+from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
 from .guards import GuardSettings
 from .preemption import ON_SIGTERM_CHOICES
 
 # Critic-recipe fields (issue 21) that None turns off; on the command line they arrive as text.
-RECIPE_OPTIONAL_FLOATS = ("value_lam", "lam_length_alpha", "cliprange_high", "dual_clip")
+RECIPE_OPTIONAL_FLOATS = (
+    "value_lam", "lam_length_alpha", "cliprange_high", "dual_clip", "critic_warmup_explained_variance",
+)
 
 
 def _bf16_available() -> bool:
@@ -98,6 +100,19 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         dual_clip (`float` or `None`, defaults to `None`):
             Dual-clip PPO's bound c > 1: a token with a negative advantage loses at most
             ``c * |A|``. None: off.
+        loss_type (`"dapo"`, `"grpo"` or `"dr_grpo"`, defaults to `"dapo"`):
+            How the clipped surrogate is normalised (TRL GRPO's ``loss_type``): ``"dapo"`` the
+            token mean over the mini-batch on every process (this package's loss before the
+            field); ``"grpo"`` the mean over sequences of each one's token mean; ``"dr_grpo"``
+            the token sum over ``sequences * response_length``. The value loss and the entropy
+            stay token means.
+        critic_warmup_steps (`int`, defaults to `0`):
+            The first this many updates train the value function only (VAPO's value
+            pre-training): the policy, its adapter and its optimizer state do not move. They
+            count episodes and advance the learning-rate schedule like any update. 0: off.
+        critic_warmup_explained_variance (`float` or `None`, defaults to `None`):
+            End the warm-up early, after the first update whose ``val/explained_variance``
+            reaches this (<= 1). None: the warm-up takes ``critic_warmup_steps`` updates.
     """
 
     entropy_coef: float = field(
@@ -189,6 +204,22 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         default=None,
         metadata={"help": "Dual-clip PPO bound c > 1: the loss of a token with advantage A < 0 is at most c * |A|. "
             "None: off."},
+    )
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = field(
+        default="dapo",
+        metadata={"help": "Normalisation of the policy loss (TRL GRPO's names): 'dapo' token mean over the "
+            "mini-batch (default, as before), 'grpo' mean of each sequence's token mean, 'dr_grpo' token sum over "
+            "sequences * response_length. Value loss and entropy stay token means."},
+    )
+    critic_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "Train only the value function for the first this many updates (the policy and its "
+            "optimizer state do not move); they count episodes and advance the LR schedule. 0: off."},
+    )
+    critic_warmup_explained_variance: float | str | None = field(
+        default=None,
+        metadata={"help": "End the critic warm-up after the first update whose val/explained_variance reaches "
+            "this (<= 1). None: the warm-up takes critic_warmup_steps updates."},
     )
 
     def guard_settings(self) -> GuardSettings:
@@ -302,4 +333,23 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         if self.dual_clip is not None and not 1.0 < self.dual_clip < math.inf:
             raise ValueError(
                 f"PPOConfig.dual_clip must be a finite number > 1 (3.0 is common) or None (off), got {self.dual_clip}."
+            )
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"PPOConfig.loss_type must be one of {list(LOSS_TYPES)}, got {self.loss_type!r}; 'dapo' is the "
+                "token mean this package always used."
+            )
+        steps = self.critic_warmup_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"PPOConfig.critic_warmup_steps must be an int >= 0 (0: no warm-up), got {steps!r}.")
+        threshold = self.critic_warmup_explained_variance
+        if threshold is not None and not threshold <= 1.0:  # nan fails too
+            raise ValueError(
+                f"PPOConfig.critic_warmup_explained_variance must be a number <= 1 (explained variance is at most "
+                f"1) or None, got {threshold}."
+            )
+        if threshold is not None and steps == 0:
+            raise ValueError(
+                f"PPOConfig.critic_warmup_explained_variance={threshold} needs critic_warmup_steps > 0 (the most "
+                "updates the warm-up may take), got critic_warmup_steps=0."
             )

@@ -35,7 +35,9 @@ import torch
 from . import functional as F
 
 # The config fields ppo_loss reads (PPOConfig's names).
-LOSS_FIELDS = ("cliprange", "cliprange_value", "vf_coef", "entropy_coef", "cliprange_high", "dual_clip")
+LOSS_FIELDS = (
+    "cliprange", "cliprange_value", "vf_coef", "entropy_coef", "cliprange_high", "dual_clip", "loss_type",
+)
 
 
 def loss_settings(args) -> dict:

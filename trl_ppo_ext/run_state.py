@@ -28,6 +28,8 @@ class RunCounters:
     stale_discarded: int = 0  # rollouts discarded for being older than max_rollout_age, in total
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient, in total
     rollout_age: int = 0  # updates between sampling the current rollout and training on it (policy lag)
+    critic_warmup_updates: int = 0  # updates that trained the critic only (critic_warmup_steps)
+    critic_warmup_over: bool = False  # the warm-up ended (its update count, or its explained variance reached)
 
     def state_dict(self) -> dict:
         """``{"data_cursor": {epoch, batches}, "counters": {...}}``, the keys ``ppo_state.json``
@@ -35,16 +37,20 @@ class RunCounters:
         return {
             "data_cursor": {"epoch": self.epoch, "batches": self.batches},
             "counters": {"stale_discarded": self.stale_discarded, "nonfinite_steps": self.nonfinite_steps,
-                         "rollout_age": self.rollout_age},
+                         "rollout_age": self.rollout_age, "critic_warmup_updates": self.critic_warmup_updates,
+                         "critic_warmup_over": self.critic_warmup_over},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`state_dict`'s form; ``rollout_age`` defaults to 0 (older files)."""
+        """Restore from :meth:`state_dict`'s form; ``rollout_age`` and the critic warm-up counters
+        default to 0 / False (older files)."""
         cursor, counters = state["data_cursor"], state["counters"]
         self.epoch, self.batches = int(cursor["epoch"]), int(cursor["batches"])
         self.stale_discarded = int(counters["stale_discarded"])
         self.nonfinite_steps = int(counters["nonfinite_steps"])
         self.rollout_age = int(counters.get("rollout_age", 0))
+        self.critic_warmup_updates = int(counters.get("critic_warmup_updates", 0))
+        self.critic_warmup_over = bool(counters.get("critic_warmup_over", False))
 
 
 # Old import paths (these lived here before checkpointing.py); imported last, so that

@@ -44,6 +44,7 @@ from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
 from . import checkpointing as ckpt
+from . import critic_warmup
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
 from .advantages import PPOTargets, compute_targets, target_settings
@@ -206,6 +207,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.optimizer_cls_and_kwargs = None
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self._setup_callbacks_and_state(callbacks)
+        self._check_critic_warmup()
         self._setup_dataloaders()
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
@@ -230,6 +232,17 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.close()
+
+    def _check_critic_warmup(self) -> None:
+        """Refuse a critic warm-up under DeepSpeed: its engine steps inside ``backward``, before
+        the policy's gradients could be dropped (``critic_warmup.drop_policy_gradients``)."""
+        self._critic_warming = False
+        if self.args.critic_warmup_steps > 0 and self.is_deepspeed_enabled:
+            raise ValueError(
+                f"PPOConfig.critic_warmup_steps={self.args.critic_warmup_steps} is not supported under DeepSpeed "
+                "(the engine applies the optimizer step inside backward, so the policy cannot be held still). "
+                "Set critic_warmup_steps=0, or train without DeepSpeed."
+            )
 
     def _setup_run_control(self, eval_metrics) -> None:
         """KL controller, guard rails and the counters a checkpoint carries."""
@@ -631,9 +644,15 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         else:  # the update a preempted run stopped in: its rollout, continued where it stopped
             rollout, advantages = self._resumed_rollout()
         applied, skipped = self._applied_steps, self.counters.nonfinite_steps
+        self._critic_warming = warming = critic_warmup.warming(self.args, self.counters)
         update_stats, decision = self.ppo_update(rollout, advantages, update)
+        self._critic_warming = False
         all_skipped = self._applied_steps == applied and self.counters.nonfinite_steps > skipped
         metrics = self.update_metrics(rollout, advantages, update_stats)
+        if self.args.critic_warmup_steps > 0:
+            metrics["train/critic_warmup"] = float(warming)
+            if warming:  # the metric is gathered: every process ends the warm-up at the same update
+                critic_warmup.record_update(self.args, self.counters, metrics["val/explained_variance"])
         if self._evaluation_due(update):
             metrics.update(self.evaluate_heldout())
         if not decision.halt:
@@ -642,7 +661,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 logger.warning(warning)
         metrics.update({k: float(v) for k, v in decision.figures.items()})  # keys are "guard/<name>"
         metrics["objective/kl_coef"] = self.kl_controller.value
-        if not all_skipped:  # the policy did not move: the KL seen says nothing about the coefficient
+        if not (all_skipped or warming):  # the policy did not move: the KL seen says nothing about the coefficient
             self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
         self.log_update(metrics)
         if not decision.halt:
@@ -927,27 +946,38 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """Accumulate gradients over the mini-batch's micro-batches, then step once if finite.
 
         Each micro-batch's loss is its token sum over the valid-token count of the whole
-        mini-batch on every process, so the step's gradient is that of the mini-batch token
-        mean however the mini-batch is cut into micro-batches and processes.
+        mini-batch on every process (or, by ``loss_type``, over its sequence count), so the
+        step's gradient is that of the mini-batch's loss however the mini-batch is cut into
+        micro-batches and processes. During a critic warm-up the policy's gradients are dropped
+        before clipping and the step.
         """
         accelerator = self.accelerator
         # accelerate (or, under DeepSpeed, the engine: its gradient_accumulation_steps is set to
         # the same number by `distributed.configure_deepspeed`) divides each backward by the
         # accumulation steps, and DDP (ZeRO's reduce) averages over processes; both are undone
         # so the sums below add up to the mini-batch token mean.
-        num_tokens = rollout.response_mask[mini].sum().float().reshape(1)
+        counts = torch.stack([rollout.response_mask[mini].sum().float(),
+                              torch.tensor(float(mini.numel()), device=rollout.response_mask.device)])
         if accelerator.num_processes > 1:
-            num_tokens = accelerator.reduce(num_tokens, reduction="sum")
+            counts = accelerator.reduce(counts, reduction="sum")
+        num_tokens, num_sequences = counts[:1], counts[1:]
+        # only the loss types that divide by it get the sequence count: an override of the hook
+        # written for the token mean keeps its (mb, adv, num_tokens) signature
+        sequence_count = {} if self.args.loss_type == "dapo" else {"num_sequences": num_sequences}
         loss_scale = self.plan.micro_batches_per_mini_batch * accelerator.num_processes
         nonfinite_loss = torch.zeros((), device=accelerator.device)
         decision = GuardDecision.keep_going({})
         for part in self.plan.micro_batch_slices():
             micro = mini[part]
             with accelerator.accumulate(self.model):
-                loss, micro_stats = self.compute_loss_terms(rollout.select(micro), adv.select(micro), num_tokens)
+                loss, micro_stats = self.compute_loss_terms(
+                    rollout.select(micro), adv.select(micro), num_tokens, **sequence_count
+                )
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
                 accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
+                    if self._critic_warming:
+                        critic_warmup.drop_policy_gradients(self.unwrapped)
                     grad_norm = self._clip_gradients()
                     micro_stats["grad_norm"] = grad_norm
                     decision = self._step_if_finite(grad_norm, nonfinite_loss, update)
@@ -1016,15 +1046,18 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return torch.as_tensor(norm).detach().float()
 
     def compute_loss_terms(
-        self, mb: Rollout, adv: PPOTargets, num_tokens: torch.Tensor | None = None
+        self, mb: Rollout, adv: PPOTargets, num_tokens: torch.Tensor | None = None,
+        num_sequences: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO loss on one micro-batch: clipped surrogate + vf_coef * clipped value loss
         - entropy_coef * entropy, every term over ``response_mask`` only.
 
         ``num_tokens``: the valid-token count the token sums are divided by (the whole
         mini-batch's over every process, see ``functional.masked_token_mean``); None: this
-        micro-batch's own. The forward is here; the composition is ``losses.ppo_loss``, whose
-        statistics are this micro-batch's token means.
+        micro-batch's own; ``num_sequences`` likewise the sequence count ``loss_type`` "grpo" and
+        "dr_grpo" divide by (passed by keyword, and only for those two: an override need not
+        take it unless it runs them). The forward is here; the composition is ``losses.ppo_loss``, whose
+        statistics are this micro-batch's own figures.
         """
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
@@ -1033,7 +1066,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return ppo_loss(
             new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
             advantages=adv.advantages, returns=adv.returns, response_mask=mb.response_mask, num_tokens=num_tokens,
-            pg_weights=weights, **loss_settings(self.args),
+            pg_weights=weights, num_sequences=num_sequences, max_completion_length=self.args.response_length,
+            **loss_settings(self.args),
         )
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:

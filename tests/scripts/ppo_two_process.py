@@ -32,9 +32,12 @@ def main() -> None:
     # eval: 5 prompts over 2 processes -> accelerate repeats rows to even out the last batch
     eval_dataset = prompt_dataset(tok, n=5, min_len=1, max_len=6, seed=3) if with_eval else None
     extra = dict(eval_strategy="steps", eval_steps=1, num_sample_generations=2, per_device_eval_batch_size=2)
+    # recipe: issue 21's fields on (the sequence count reduced over processes, the warm-up decided alike)
+    recipe = dict(loss_type="grpo", critic_warmup_steps=1, cliprange_high=0.28, dual_clip=3.0, value_lam=1.0)
     trainer = PPOTrainer(
         args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                         num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {})),
+                         num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {}),
+                         **(recipe if mode == "recipe" else {})),
         processing_class=tok, model=policy, ref_model=None if peft else ref, reward_model=reward,
         train_dataset=prompt_dataset(tok, n=12), value_model=value, eval_dataset=eval_dataset,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
