@@ -89,3 +89,31 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def optional_number_from_text(value: Any, kind: type, *, owner: str, name: str, off: str) -> Any:
+    """A config value as Python has it, from what the command line gives: ``"None"`` -> None and a
+    number's text -> ``kind(text)``; anything that is not text is returned as it is.
+
+    argparse cannot produce None, so optional numeric fields are typed ``kind | str | None`` and
+    ``HfArgumentParser`` hands over the text; ``__post_init__`` converts it here. ``owner``,
+    ``name`` and ``off`` (what None does) word the error for text that is neither.
+
+    Example:
+        >>> optional_number_from_text("None", float, owner="PPOConfig", name="dual_clip", off="turns it off")
+        >>> optional_number_from_text("3", int, owner="PPOConfig", name="x", off="turns it off")
+        3
+        >>> optional_number_from_text(0.5, float, owner="PPOConfig", name="x", off="turns it off")
+        0.5
+    """
+    if not isinstance(value, str):
+        return value
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        article = "an int" if kind is int else "a number"
+        raise ValueError(
+            f"{owner}.{name} must be {article} or None, got {value!r}; e.g. --{name} None {off}."
+        ) from None

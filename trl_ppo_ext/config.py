@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from ._compat import PPOConfigBase
+from ._utils import optional_number_from_text
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
@@ -303,18 +304,8 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         """The critic-recipe fields as the command line gives them (text) made Python values:
         ``"None"`` -> None, a number's text -> float."""
         for name in RECIPE_OPTIONAL_FLOATS:
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                continue
-            if value.strip().lower() == "none":
-                setattr(self, name, None)
-                continue
-            try:
-                setattr(self, name, float(value))
-            except ValueError:
-                raise ValueError(
-                    f"PPOConfig.{name} must be a number or None, got {value!r}; e.g. --{name} None turns it off."
-                ) from None
+            setattr(self, name, optional_number_from_text(getattr(self, name), float, owner="PPOConfig", name=name,
+                                                          off="turns it off"))
 
     def _check_recipe_fields(self) -> None:
         # `not lo <= x <= hi` is True for nan as well: nan is refused with the rest

@@ -45,6 +45,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from ._utils import optional_number_from_text
+
 # The trainer's log keys (``PPOTrainer.log_update``) that the guards read.
 KEY_VALUE_LOSS = "loss/value_avg"
 KEY_EXPLAINED_VARIANCE = "val/explained_variance"
@@ -195,19 +197,8 @@ class GuardSettings:
         if isinstance(self.reward_hacking_metric, str) and self.reward_hacking_metric.lower() == "none":
             self.reward_hacking_metric = None
         for name, kind in OPTIONAL_THRESHOLDS.items():
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                continue
-            if value.strip().lower() == "none":
-                setattr(self, name, None)
-                continue
-            try:
-                setattr(self, name, kind(value))
-            except ValueError:
-                raise ValueError(
-                    f"GuardSettings.{name} must be {'an int' if kind is int else 'a number'} or None, got {value!r}; "
-                    f"e.g. --{name} None turns the guard off."
-                ) from None
+            setattr(self, name, optional_number_from_text(getattr(self, name), kind, owner="GuardSettings", name=name,
+                                                          off="turns the guard off"))
 
     def _check_reward_hacking(self) -> None:
         window = self.reward_hacking_window
