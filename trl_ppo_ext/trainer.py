@@ -79,7 +79,8 @@ from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
 from .quantization import is_4bit_model, make_4bit_cpu_safe
-from .rewards import build_rewards, evaluate_rewards
+from .reward_text import completion_texts, reward_texts, score_texts
+from .rewards import build_rewards, evaluate_rewards, with_reward_tokenizers
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -150,7 +151,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ``reward_model`` (sequence classifier, ``num_labels=1``), ``train_dataset`` (with
     ``input_ids``), ``value_model`` (sequence classifier; ``None`` with a ``peft_config`` or a
     ``SharedActorCritic`` builds/uses a shared-backbone value head), ``data_collator``,
-    ``eval_dataset``, ``optimizers``, ``callbacks``, ``peft_config``.
+    ``eval_dataset``, ``optimizers``, ``callbacks``, ``peft_config``. Keyword-only:
+    ``reward_funcs`` (TRL GRPO's reward functions/models), ``reward_processing_classes`` (GRPO's
+    meaning: one tokenizer or None per reward model, ``reward_model`` first; a model of another
+    vocabulary scores its own rendering of the text, see ``reward_text``), ``eval_metrics``.
     """
 
     _tag_names = ["trl", "ppo", "trl-ppo-ext"]
@@ -175,6 +179,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         *,
         eval_metrics: dict | None = None,
         reward_funcs=None,
+        reward_processing_classes=None,
     ) -> None:
         args = _as_our_config(args)
         self.args = args
@@ -182,6 +187,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
         self._check_inputs(model, ref_model, train_dataset, processing_class)
         self._check_reward_heads(reward_model)
+        # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
+        self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
         self.stop_token_id = self._resolve_stop_token(args, processing_class)
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -838,12 +845,25 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
         def model_scores(reward) -> torch.Tensor:
             with self._frozen_on_device(reward.source, self.args.offload_reward_model):
+                if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
+                    return self.reward_text_scores(reward, sample)
                 # `reward_model` through the two-argument form, which subclasses may override as in TRL
                 extra = () if reward.source is self.reward_model else (reward.source,)
                 return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
 
         return evaluate_rewards(self.rewards, model_scores, lambda: self.reward_function_kwargs(sample),
                                 sample.batch_size, self.state.global_step + 1, sample.responses.device)
+
+    def reward_text_scores(self, reward, sample: SampledBatch) -> torch.Tensor:
+        """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
+        (``reward.tokenizer``): the completions decoded, the RM's text rebuilt (its chat template
+        for conversational prompts) and scored ``local_rollout_forward_batch_size`` rows at a time
+        (``reward_text.reward_texts``, ``reward_text.score_texts``)."""
+        kwargs = self.reward_function_kwargs(sample)
+        texts = completion_texts(kwargs["completion_ids"], self.processing_class)
+        rendered = reward_texts(kwargs["prompts"], texts, reward.tokenizer)
+        return score_texts(reward.source, reward.tokenizer, rendered, self.args.local_rollout_forward_batch_size,
+                           device=self.accelerator.device, autocast=self.accelerator.autocast)
 
     def reward_function_kwargs(self, rollout: SampledBatch) -> dict:
         """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
