@@ -11,6 +11,7 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.reward_text import (
     TextRewardModel,
     completion_texts,
@@ -185,3 +186,52 @@ def test_reward_tokenizers_are_attached_to_the_models_that_need_them(policy_tok)
     # no tokenizer for the character RM, nothing to load, and 43 embeddings < 46 policy tokens: never silent
     with pytest.raises(ValueError, match=r"reward model 'LlamaForSequenceClassification_2' has 43 token embeddings"):
         with_reward_tokenizers(rewards, policy_tok)
+
+
+# ---------------------------------------------------------------- in the trainer: reward_processing_classes
+def test_a_ppo_run_scores_a_reward_model_of_another_vocabulary_on_its_rendered_text(make_trainer, tok):
+    rm_tok = char_tokenizer()
+    rm = build_tiny_scorer(rm_tok, seed=3).eval()
+    w = tok.convert_tokens_to_ids
+    data = Dataset.from_dict({"input_ids": [[w("w1"), w("w2")]] * 8,
+                              "prompt": [[{"role": "user", "content": "w1 w2"}]] * 8})
+    # the RM as the trainer's reward_model, its tokenizer in GRPO's reward_processing_classes
+    trainer = make_trainer(tok, reward_model=rm, reward_processing_classes=[rm_tok], train_dataset=data,
+                           total_episodes=8, local_rollout_forward_batch_size=3)
+    assert trainer.rewards[0].tokenizer is rm_tok
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    responses = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+    # by hand: the RM's template around the prompt and the completion decoded without special tokens
+    texts = [f"[user]w1 w2|[assistant]{tok.decode(ids, skip_special_tokens=True)}|" for ids in responses]
+    assert len(texts) == 4  # one batch of per_device_train_batch_size rows, scored in chunks of 3 (3, 1)
+    with torch.no_grad():  # the RM called directly on the rendered text, chunk by chunk
+        direct = torch.cat([rm(**rm_tok(texts[s:s + 3], return_tensors="pt", padding=True,
+                                        add_special_tokens=False)).logits[:, 0] for s in (0, 3)])
+    torch.testing.assert_close(rollout.scores, direct, rtol=0, atol=0)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["objective/scores"]) for h in logs)
+
+
+def test_a_reward_model_of_another_vocabulary_without_its_tokenizer_is_refused_at_construction(make_trainer, tok):
+    small_rm = build_tiny_scorer(build_tiny_tokenizer(words=["w0"]))  # 7 embeddings < 46 policy tokens
+    with pytest.raises(ValueError, match=r"has 7 token embeddings but the policy's tokenizer has 46 tokens.*"
+                                         r"reward_processing_classes"):
+        make_trainer(tok, reward_model=small_rm)
+
+
+def test_a_same_vocabulary_tokenizer_keeps_the_id_path_bit_identical(make_trainer, tok, monkeypatch, tmp_path):
+    def final_weights(**kwargs):
+        torch.manual_seed(0)
+        trainer = make_trainer(tok, total_episodes=8, output_dir=str(tmp_path / str(len(kwargs))), **kwargs)
+        trainer.train()
+        return {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
+
+    plain = final_weights()
+
+    def no_text_path(*args, **kwargs):
+        raise AssertionError("a reward model of the policy's vocabulary went through text")
+
+    monkeypatch.setattr(PPOTrainer, "reward_text_scores", no_text_path)
+    given = final_weights(reward_processing_classes=[build_tiny_tokenizer(padding_side="right")])
+    assert plain.keys() == given.keys() and all(torch.equal(plain[k], given[k]) for k in plain)

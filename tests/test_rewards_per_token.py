@@ -3,6 +3,7 @@ process reward model's step scores on the step separators, and returns at gamma 
 add up exactly the rewards named at and after each token. Every expected value is by hand."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,3 +181,72 @@ def test_a_bad_per_token_output_names_the_function():
     with pytest.raises(ValueError, match=r"Reward 'steps' placed a reward on token index 5 of completion 0, which has "
                                          r"2 valid tokens"):
         evaluate_rewards_per_token(bad, None, lambda: {"completions": ["a"]}, torch.tensor([[True, True]]), 1)
+
+
+# ---------------------------------------------------------------- in the update's targets and a trainer run
+def _hand_rollout(mask, scores, steps, has_stop):
+    from trl_ppo_ext.rollout import Rollout
+
+    b, t = mask.shape
+    return Rollout(queries=torch.ones(b, 1, dtype=torch.long), query_mask=torch.ones(b, 1, dtype=torch.bool),
+                   responses=torch.ones(b, t, dtype=torch.long), response_mask=mask, has_stop=has_stop,
+                   logprobs=torch.full((b, t), -1.0), ref_logprobs=torch.full((b, t), -2.0),
+                   values=torch.zeros(b, t), scores=scores, token_rewards=steps)
+
+
+def test_compute_targets_adds_token_rewards_to_the_tokens_they_name():
+    from trl_ppo_ext.advantages import compute_targets
+
+    mask = MASK[:3]
+    steps, _ = token_rewards([[(0, 1.0), (2, 2.0)], [(1, 4.0)], [0.5, 0.0, -1.0, 0.25]], mask)
+    steps[0, 3] = 100.0  # off the mask: never read
+    rollout = _hand_rollout(mask, torch.tensor([10.0, 0.0, 3.0]), steps, has_stop=torch.tensor([True, True, False]))
+    t = compute_targets(rollout, kl_coef=0.0, kl_estimator="k1", missing_eos_penalty=1.0, whiten_rewards=False,
+                        whiten_advantages=False, gamma=1.0, lam=1.0)
+    # row 2 has no stop token: its score 3 - 1 = 2 (the penalty on the score, not the token rewards)
+    expected = torch.tensor([[1 + 2 + 10, 2 + 10, 2 + 10, 0.0],  # 13, 12, 12
+                             [4.0, 4.0, 0.0, 0.0],
+                             [0.5 + 0 - 1 + 0.25 + 2, 0 - 1 + 0.25 + 2, -1 + 0.25 + 2, 0.25 + 2]])  # 1.75, 1.25 ...
+    torch.testing.assert_close(t.returns, expected, rtol=0, atol=1e-6)
+    assert t.scores.tolist() == [10.0, 0.0, 2.0] and t.rewards[0, 3] == 0.0
+    # without token rewards: the same targets as the sequence-only rollout minus the steps
+    plain = compute_targets(_hand_rollout(mask, rollout.scores, None, rollout.has_stop), kl_coef=0.0,
+                            kl_estimator="k1", missing_eos_penalty=1.0, whiten_rewards=False,
+                            whiten_advantages=False, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(t.rewards - plain.rewards, steps.masked_fill(~mask, 0.0), rtol=0, atol=0)
+
+
+def test_a_trainer_run_with_a_reward_function_returning_pairs(make_trainer, tok):
+    """A reward function names tokens 0 and 1 of every completion (pairs), a second one gives a
+    number; at gamma = lam = 1, kl_coef = 0, values 0 the trainer's returns are the suffix sums."""
+    named = {}
+
+    def steps(completion_ids, **kwargs):
+        out = [[(0, 0.5), (min(1, len(c) - 1), 2.0)] if c else [] for c in completion_ids]
+        named["out"] = out
+        return out
+
+    def final(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    trainer = make_trainer(tok, reward_model=None, reward_funcs=[steps, final], reward_weights=[2.0, 1.0],
+                           gamma=1.0, lam=1.0, kl_coef=0.0, whiten_rewards=False, missing_eos_penalty=None,
+                           total_episodes=8)
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    texts = trainer.reward_function_kwargs(rollout)["completions"]
+    assert rollout.scores.tolist() == [float(len(t)) for t in texts]  # the pairs are not in the sequence score
+    rollout = replace(rollout, values=torch.zeros_like(rollout.values))
+    targets = trainer.compute_advantages(rollout)
+    for b, (m, pairs) in enumerate(zip(rollout.response_mask, named["out"])):
+        n = int(m.sum())
+        per_token = [0.0] * n
+        for k, r in pairs:
+            per_token[k] += 2.0 * r  # the reward's weight
+        per_token[n - 1] += float(rollout.scores[b])  # the number on the last valid token
+        suffix = [sum(per_token[k:]) for k in range(n)]
+        torch.testing.assert_close(targets.returns[b, m], torch.tensor(suffix), rtol=0, atol=1e-5)
+    assert rollout.token_rewards is not None and rollout.token_rewards.masked_fill(rollout.response_mask, 0).eq(0).all()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    # every completion: 0.5 + 2.0 weighted by 2 (a one-token completion gets both on token 0)
+    assert len(logs) == 2 and all(h["objective/token_rewards"] == pytest.approx(5.0) for h in logs)

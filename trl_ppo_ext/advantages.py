@@ -9,7 +9,9 @@ counts):
 2. ``kl`` ``(B, T)``: the per-token KL estimate (``kl_estimator``) of the policy against the
    reference, 0 on padding;
 3. ``rewards`` ``(B, T)``: ``-kl_coef * kl`` on every token plus the score at the last valid
-   token (``functional.shaped_rewards``), optionally whitened keeping the mean;
+   token (``functional.shaped_rewards``), plus the rollout's ``token_rewards`` when it has
+   them (0 off the mask; ``missing_eos_penalty`` stays on the score), optionally whitened
+   keeping the mean;
 4. GAE advantages and returns (``functional.masked_gae_decoupled``): the advantages with
    ``lam`` (or VAPO's per-sequence ``length_adaptive_lam`` when ``lam_length_alpha`` is set),
    the returns with ``value_lam`` (None: the advantages' lambda); the advantages optionally
@@ -52,7 +54,7 @@ class PPOTargets:
     scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
     kl: torch.Tensor  # per-token KL estimate (the configured estimator)
     non_score_rewards: torch.Tensor  # -kl_coef * kl
-    rewards: torch.Tensor  # shaped reward: non-score reward + score at the last valid token
+    rewards: torch.Tensor  # shaped reward: non-score reward + score at the last valid token + token rewards
     advantages: torch.Tensor  # GAE advantages, whitened when `whiten_advantages`
     returns: torch.Tensor  # value targets: raw advantages + old values
     raw_advantage_mean: torch.Tensor  # () before whitening, for logging
@@ -97,7 +99,8 @@ def compute_targets(
 
     Args:
         rollout: reads ``scores`` ``(B,)``, ``has_stop`` ``(B,)`` bool, ``logprobs``,
-            ``ref_logprobs``, ``values`` ``(B, T)`` and ``response_mask`` ``(B, T)`` bool.
+            ``ref_logprobs``, ``values`` ``(B, T)``, ``response_mask`` ``(B, T)`` bool and
+            ``token_rewards`` ``(B, T)`` or None.
         kl_coef: the KL coefficient of this update (the KL controller's current value).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see ``functional.kl_penalty``).
         missing_eos_penalty: subtracted from the score of every response without a stop
@@ -118,6 +121,8 @@ def compute_targets(
     rewards, non_score = F.shaped_rewards(
         rollout.logprobs, rollout.ref_logprobs, scores, mask, kl_coef, kl_estimator, kl=kl
     )
+    if rollout.token_rewards is not None:  # per-token (process) rewards on the tokens they name
+        rewards = rewards + rollout.token_rewards.masked_fill(~mask, 0.0)
     if whiten_rewards:
         rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
     if lam_length_alpha is not None:

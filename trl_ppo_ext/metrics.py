@@ -47,7 +47,10 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
     lengths = mask.sum(1).float()
     by_side = {f"policy/clipfrac_{side}_avg": stats[f"pg_clipfrac_{side}"].mean()
                for side in ("lower", "upper", "dual") if f"pg_clipfrac_{side}" in stats}
+    per_token = {} if rollout.token_rewards is None else {
+        "objective/token_rewards": rollout.token_rewards.masked_fill(~mask, 0.0).sum(1).mean()}
     return {
+        **per_token,
         "objective/scores": targets.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
         "objective/scores_before_penalty": rollout.scores.mean(),
         "objective/non_score_reward": targets.non_score_rewards.sum(1).mean(),

@@ -66,7 +66,10 @@ def resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer=None, whe
     if reward_tokenizer is not None:
         return None if same_vocabulary(policy_tokenizer, reward_tokenizer) else reward_tokenizer
     embeddings = model.get_input_embeddings().num_embeddings
-    if embeddings < len(policy_tokenizer):
+    # the ids a reward model reads: every id but the pad id (padding is masked and fed as 0), so a
+    # [PAD] added after the models were built (TRL's scripts) is no vocabulary mismatch
+    read = [i for i in policy_tokenizer.get_vocab().values() if i != policy_tokenizer.pad_token_id]
+    if read and embeddings <= max(read):
         raise ValueError(
             f"{where} has {embeddings} token embeddings but the policy's tokenizer has {len(policy_tokenizer)} tokens: "
             "it has another vocabulary and would score the policy's ids as other words. Pass its tokenizer in "

@@ -96,11 +96,15 @@ class Rollout(SampledBatch):
     # (B, F) float32: each reward's raw value (NaN where it does not apply); F = number of rewards
     reward_values: torch.Tensor | None = None
     reward_applies: torch.Tensor | None = None  # (B, F) bool: False where a reward function returned None
+    # (B, T) float32: per-token rewards of the reward functions that return them (weighted, 0 where
+    # response_mask is False), added to the shaped rewards; None: every reward is a sequence score
+    token_rewards: torch.Tensor | None = None
 
 
 def scored_rollout(
     sample: SampledBatch, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor,
     scores: torch.Tensor, reward_values: torch.Tensor | None = None, reward_applies: torch.Tensor | None = None,
+    token_rewards: torch.Tensor | None = None,
 ) -> Rollout:
     """``sample`` with its scores, as a :class:`Rollout`.
 
@@ -108,11 +112,14 @@ def scored_rollout(
         logprobs, ref_logprobs, values: ``(B, T)`` any float dtype; cast to float32 and set to 0
             where ``sample.response_mask`` is False (nothing is read there, and 0 keeps sums exact).
         scores: ``(B,)``; reward_values ``(B, F)``; reward_applies ``(B, F)`` bool.
+        token_rewards: ``(B, T)`` or None; cast and masked as the token fields.
     Returns:
         a new ``Rollout``; ``sample`` is not changed.
     """
     keep = sample.response_mask
     token_fields = {"logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values}
+    if token_rewards is not None:
+        token_fields["token_rewards"] = token_rewards
     scored = {name: x.float().masked_fill(~keep, 0.0) for name, x in token_fields.items()}
     sampled = {f.name: getattr(sample, f.name) for f in fields(SampledBatch)}
     return Rollout(**sampled, **scored, scores=scores, reward_values=reward_values, reward_applies=reward_applies)

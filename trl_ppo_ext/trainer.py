@@ -79,7 +79,8 @@ from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
 from .quantization import is_4bit_model, make_4bit_cpu_safe
-from .rewards import build_rewards, evaluate_rewards
+from .reward_text import completion_texts, reward_texts, score_texts
+from .rewards import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -150,7 +151,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ``reward_model`` (sequence classifier, ``num_labels=1``), ``train_dataset`` (with
     ``input_ids``), ``value_model`` (sequence classifier; ``None`` with a ``peft_config`` or a
     ``SharedActorCritic`` builds/uses a shared-backbone value head), ``data_collator``,
-    ``eval_dataset``, ``optimizers``, ``callbacks``, ``peft_config``.
+    ``eval_dataset``, ``optimizers``, ``callbacks``, ``peft_config``. Keyword-only:
+    ``reward_funcs`` (TRL GRPO's reward functions/models), ``reward_processing_classes`` (GRPO's
+    meaning: one tokenizer or None per reward model, ``reward_model`` first; a model of another
+    vocabulary scores its own rendering of the text, see ``reward_text``), ``eval_metrics``.
     """
 
     _tag_names = ["trl", "ppo", "trl-ppo-ext"]
@@ -175,6 +179,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         *,
         eval_metrics: dict | None = None,
         reward_funcs=None,
+        reward_processing_classes=None,
     ) -> None:
         args = _as_our_config(args)
         self.args = args
@@ -182,6 +187,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
         self._check_inputs(model, ref_model, train_dataset, processing_class)
         self._check_reward_heads(reward_model)
+        # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
+        self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
         self.stop_token_id = self._resolve_stop_token(args, processing_class)
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -816,34 +823,68 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks))
         with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
             ref_logprobs = [self.reference_logprobs(p, i) for p, i in chunks]
-        scores, reward_values, reward_applies = self.score_rewards(sample, chunks)
+        if type(self).score_rewards is PPOTrainer.score_rewards:
+            scores, reward_values, reward_applies, token_rewards = self.score_rewards_per_token(sample, chunks)
+        else:  # a subclass's own score_rewards: sequence rewards, as before per-token rewards existed
+            (scores, reward_values, reward_applies), token_rewards = self.score_rewards(sample, chunks), None
         return scored_rollout(
             sample, logprobs=torch.cat(logprobs), ref_logprobs=torch.cat(ref_logprobs), values=torch.cat(values),
-            scores=scores, reward_values=reward_values, reward_applies=reward_applies,
+            scores=scores, reward_values=reward_values, reward_applies=reward_applies, token_rewards=token_rewards,
         )
 
     @torch.no_grad()
     def score_rewards(self, sample: SampledBatch, chunks: list | None = None):
-        """Every reward of ``self.rewards`` on a sampled batch, and their weighted sum.
+        """Every reward of ``self.rewards`` on a sampled batch, and their weighted sum:
+        ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool)``, the first three of
+        :meth:`score_rewards_per_token` (a per-token reward counts in ``values`` only)."""
+        return self.score_rewards_per_token(sample, chunks)[:3]
+
+    @torch.no_grad()
+    def score_rewards_per_token(self, sample: SampledBatch, chunks: list | None = None):
+        """Every reward of ``self.rewards`` on a sampled batch: sequence scores and per-token rewards.
 
         Models are read at the last valid token chunk by chunk (``chunks`` from
-        ``rollout.forward_chunks``, made here when not given); functions get the whole batch at
-        once (see ``trl_ppo_ext.rewards``).
+        ``rollout.forward_chunks``, made here when not given), or through text when their
+        vocabulary is not the policy's (:meth:`reward_text_scores`); functions get the whole
+        batch at once and may return per completion a number, ``(token_index, reward)`` pairs
+        or one value per token (see ``trl_ppo_ext.rewards.evaluate_rewards_per_token``).
 
         Returns:
-            ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool)``.
+            ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool, token_rewards
+            (B, T) float32 or None)``: ``token_rewards`` is the weighted sum of the token-level
+            functions (0 off ``response_mask``; zeros when none returned one), None in a run
+            without reward functions.
         """
         if chunks is None:
             chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
 
         def model_scores(reward) -> torch.Tensor:
             with self._frozen_on_device(reward.source, self.args.offload_reward_model):
+                if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
+                    return self.reward_text_scores(reward, sample)
                 # `reward_model` through the two-argument form, which subclasses may override as in TRL
                 extra = () if reward.source is self.reward_model else (reward.source,)
                 return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
 
-        return evaluate_rewards(self.rewards, model_scores, lambda: self.reward_function_kwargs(sample),
-                                sample.batch_size, self.state.global_step + 1, sample.responses.device)
+        scores, values, applies, token_rewards = evaluate_rewards_per_token(
+            self.rewards, model_scores, lambda: self.reward_function_kwargs(sample), sample.response_mask,
+            self.state.global_step + 1)
+        if token_rewards is None and any(not r.is_model for r in self.rewards):
+            # zeros (adding them changes no bit): every process logs the same metrics whichever
+            # of them got a token-level output in this batch
+            token_rewards = torch.zeros(sample.response_mask.shape, device=sample.response_mask.device)
+        return scores, values, applies, token_rewards
+
+    def reward_text_scores(self, reward, sample: SampledBatch) -> torch.Tensor:
+        """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
+        (``reward.tokenizer``): the completions decoded, the RM's text rebuilt (its chat template
+        for conversational prompts) and scored ``local_rollout_forward_batch_size`` rows at a time
+        (``reward_text.reward_texts``, ``reward_text.score_texts``)."""
+        kwargs = self.reward_function_kwargs(sample)
+        texts = completion_texts(kwargs["completion_ids"], self.processing_class)
+        rendered = reward_texts(kwargs["prompts"], texts, reward.tokenizer)
+        return score_texts(reward.source, reward.tokenizer, rendered, self.args.local_rollout_forward_batch_size,
+                           device=self.accelerator.device, autocast=self.accelerator.autocast)
 
     def reward_function_kwargs(self, rollout: SampledBatch) -> dict:
         """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
