@@ -127,3 +127,27 @@ def test_the_verifiable_example_runs_with_use_vllm(tmp_path):
     history = json.loads((out / "log_history.json").read_text())
     diffs = [h["sampling/sampling_logp_difference/max"] for h in history if "objective/scores" in h]
     assert len(diffs) == 2 and all(d < LOGP_BOUND for d in diffs), diffs
+
+
+def test_two_processes_each_sample_with_their_own_engine(tmp_path):
+    """`accelerate launch --num_processes 2` (gloo, CPU): each process builds its own colocated engine
+    (vLLM's external launcher, as TRL GRPO does), samples its shard of the prompts, and the trainer
+    keeps the processes' weights equal; the gathered mismatch stays below the bound at every update."""
+    import math
+    import shutil
+
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPTS / "vllm_ppo_two_process.py"),
+           str(tmp_path)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(SCRIPTS)])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # DDP kept the two processes' weights equal
+    for r in ranks:
+        assert len(r["logs"]) == 2  # 16 episodes, 8 per update over both processes
+        diffs = [log["sampling/sampling_logp_difference/max"] for log in r["logs"]]
+        assert all(math.isfinite(d) and d < LOGP_BOUND for d in diffs), diffs
