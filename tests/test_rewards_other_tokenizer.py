@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.reward_text import (
@@ -54,7 +54,33 @@ def test_same_vocabulary():
     assert not same_vocabulary(build_tiny_tokenizer(), build_tiny_tokenizer(words=[f"w{i}" for i in range(39, -1, -1)]))
     grown = build_tiny_tokenizer()
     grown.add_tokens(["<tool>"])
-    assert not same_vocabulary(build_tiny_tokenizer(), grown)
+    assert not same_vocabulary(grown, build_tiny_tokenizer())  # the policy can emit a token the RM lacks
+    assert same_vocabulary(build_tiny_tokenizer(), grown)  # a token only the RM has is never fed to it
+
+
+def test_a_pad_token_added_to_the_policys_tokenizer_keeps_the_id_path(tmp_path):
+    # TRL's scripts: both tokenizers from the same files, then `add_special_tokens({"pad_token": "[PAD]"})`
+    # on the policy's only; the RM's own tokenizer (loaded from its path) lacks [PAD], which is never read
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    policy_tok = AutoTokenizer.from_pretrained(tmp_path, padding_side="left")
+    policy_tok.add_special_tokens({"pad_token": "[PAD]"})
+    rm_tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert same_vocabulary(policy_tok, rm_tok)
+    # the policy emitting another added token is a mismatch
+    policy_tok.add_tokens(["<tool>"])
+    assert not same_vocabulary(policy_tok, rm_tok)
+
+
+def test_a_model_that_does_not_report_its_embeddings_reads_the_policys_ids():
+    # custom PreTrainedModels may not implement get_input_embeddings (transformers raises
+    # NotImplementedError): nothing can be checked, and the id path is what TRL's trainer does
+    class Opaque(torch.nn.Module):
+        config = None
+
+        def get_input_embeddings(self):
+            raise NotImplementedError("`get_input_embeddings` not auto-handled")
+
+    assert resolve_reward_tokenizer(Opaque(), build_tiny_tokenizer()) is None
 
 
 def test_conversational_text_is_rendered_with_the_rms_template_and_its_own_tokens(policy_tok):

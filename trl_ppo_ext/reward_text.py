@@ -28,13 +28,20 @@ from dataclasses import dataclass
 import torch
 
 from .functional import last_valid_index
+from .modeling import embedding_rows
 from .policy_value import backbone_hidden, scalar_head
 
 logger = logging.getLogger(__name__)
 
 
-def same_vocabulary(tok_a, tok_b) -> bool:
-    """Whether token ids mean the same strings to both tokenizers (added tokens included).
+def same_vocabulary(policy_tokenizer, reward_tokenizer) -> bool:
+    """Whether ``reward_tokenizer`` reads every id the policy's tokenizer produces as the same token,
+    so that a reward model can take the policy's ids as they are.
+
+    Every token of the policy's vocabulary must have the same id in the reward tokenizer's, except a
+    pad token the reward tokenizer does not have: padding is masked and never read, and TRL's
+    scripts add a ``[PAD]`` to the policy's tokenizer after the reward model was saved with its own.
+    Tokens only the reward tokenizer has do not matter (the policy never produces them).
 
     Example:
         >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
@@ -43,7 +50,12 @@ def same_vocabulary(tok_a, tok_b) -> bool:
         >>> same_vocabulary(build_tiny_tokenizer(), build_tiny_tokenizer(words=["w0", "w2"]))
         False
     """
-    return tok_a is tok_b or tok_a.get_vocab() == tok_b.get_vocab()
+    if policy_tokenizer is reward_tokenizer:
+        return True
+    theirs = reward_tokenizer.get_vocab()
+    pad = policy_tokenizer.pad_token
+    return all(theirs.get(token) == i for token, i in policy_tokenizer.get_vocab().items()
+               if not (token == pad and token not in theirs))
 
 
 def resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer=None, where: str = "reward_model"):
@@ -65,7 +77,12 @@ def resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer=None, whe
         reward_tokenizer = _load_own_tokenizer(model, where)
     if reward_tokenizer is not None:
         return None if same_vocabulary(policy_tokenizer, reward_tokenizer) else reward_tokenizer
-    embeddings = model.get_input_embeddings().num_embeddings
+    try:
+        embeddings = embedding_rows(model)
+    except (NotImplementedError, AttributeError):
+        # a custom PreTrainedModel that does not say (transformers raises NotImplementedError for
+        # get_input_embeddings): it reads the policy's ids, as TRL's trainer has it do
+        return None
     # the ids a reward model reads: every id but the pad id (padding is masked and fed as 0), so a
     # [PAD] added after the models were built (TRL's scripts) is no vocabulary mismatch
     read = [i for i in policy_tokenizer.get_vocab().values() if i != policy_tokenizer.pad_token_id]
