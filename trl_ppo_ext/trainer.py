@@ -25,6 +25,7 @@ True
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import os
@@ -857,17 +858,19 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """
         if chunks is None:
             chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
+        # decoded once per batch, for the reward functions and any reward model read through text
+        function_kwargs = functools.cache(lambda: self.reward_function_kwargs(sample))
 
         def model_scores(reward) -> torch.Tensor:
             with self._frozen_on_device(reward.source, self.args.offload_reward_model):
                 if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
-                    return self.reward_text_scores(reward, sample)
+                    return self.reward_text_scores(reward, sample, function_kwargs())
                 # `reward_model` through the two-argument form, which subclasses may override as in TRL
                 extra = () if reward.source is self.reward_model else (reward.source,)
                 return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
 
         scores, values, applies, token_rewards = evaluate_rewards_per_token(
-            self.rewards, model_scores, lambda: self.reward_function_kwargs(sample), sample.response_mask,
+            self.rewards, model_scores, function_kwargs, sample.response_mask,
             self.state.global_step + 1)
         if token_rewards is None and any(not r.is_model for r in self.rewards):
             # zeros (adding them changes no bit): every process logs the same metrics whichever
@@ -875,12 +878,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             token_rewards = torch.zeros(sample.response_mask.shape, device=sample.response_mask.device)
         return scores, values, applies, token_rewards
 
-    def reward_text_scores(self, reward, sample: SampledBatch) -> torch.Tensor:
+    def reward_text_scores(self, reward, sample: SampledBatch, kwargs: dict | None = None) -> torch.Tensor:
         """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
         (``reward.tokenizer``): the completions decoded, the RM's text rebuilt (its chat template
         for conversational prompts) and scored ``local_rollout_forward_batch_size`` rows at a time
-        (``reward_text.reward_texts``, ``reward_text.score_texts``)."""
-        kwargs = self.reward_function_kwargs(sample)
+        (``reward_text.reward_texts``, ``reward_text.score_texts``). ``kwargs``: the batch's
+        :meth:`reward_function_kwargs` when already built."""
+        kwargs = kwargs if kwargs is not None else self.reward_function_kwargs(sample)
         texts = completion_texts(kwargs["completion_ids"], self.processing_class)
         rendered = reward_texts(kwargs["prompts"], texts, reward.tokenizer)
         return score_texts(reward.source, reward.tokenizer, rendered, self.args.local_rollout_forward_batch_size,
