@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import DistributedType, GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import TrainerControl, TrainerState
@@ -54,6 +54,7 @@ from .checkpointing import CheckpointMixin, clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
+from .gradients import clip_grad_norm_
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE
 from .generation.mismatch import importance_sampling_weights
@@ -1081,13 +1082,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             value = float("nan") if norm is None else float(norm)
             return torch.tensor(value, dtype=torch.float32, device=self.accelerator.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)  # unscales fp16 grads first
+        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.XLA):
+            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm or math.inf)  # their own norms
         else:
             self.accelerator.unscale_gradients()  # fp16: the norm of the true gradient (a no-op otherwise)
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad.detach()) for p in params if p.grad is not None])
-            )
+            norm = clip_grad_norm_(params, self.args.max_grad_norm)  # scales only when the norm is above it
         return torch.as_tensor(norm).detach().float()
 
     def compute_loss_terms(
