@@ -1,13 +1,14 @@
 """PPO update throughput: TRL's own trainer vs ours (separate models, shared LoRA actor-critic),
 and (``--vllm``) ours sampling with transformers' ``generate`` vs with a colocated vLLM engine.
 
-    python benchmarks/throughput.py [--sizes tiny,100m] [--repeats 3] [--updates N]
+    python benchmarks/throughput.py [--sizes tiny,100m] [--repeats 5] [--updates N] [--contenders a,b]
         [--ppo-epochs 1] [--threads 1] [--device cpu|cuda] [--bf16] [--vllm [--enforce-eager]]
 
-Three contenders, same random Llama-shaped models (tiny: hidden 32, 2 layers, 46-token
+Five contenders by default, same random Llama-shaped models (tiny: hidden 32, 2 layers, 46-token
 vocabulary; 100m: hidden 768, 12 layers, 12 heads, intermediate 2048, 8000-token
 vocabulary, 97.2M parameters per policy, 91.1M per value/reward model), same prompts
-(64 prompts of 8-16 random words), seeds and PPO settings: B=4 per update,
+(64 prompts of 12 random words each: every contender's dataloader draws its own order, and
+equal lengths make each update the same work for all of them), seeds and PPO settings: B=4 per update,
 response_length=32, stop_token="eos", no missing-EOS penalty, num_mini_batches=1,
 num_ppo_epochs=1 (``--ppo-epochs``; TRL's default is 4), TRL's other defaults (lr 3e-6,
 max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, CUDA only:
@@ -18,7 +19,11 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
   separate  ``trl_ppo_ext.PPOTrainer`` with the same four separate models;
   shared    ``trl_ppo_ext.PPOTrainer`` with a ``SharedActorCritic`` (LoRA r=16 on q/k/v/o +
             value head on one base; reference = the disabled adapter), the same reward model,
-            ``value_model=None, ref_model=None``.
+            ``value_model=None, ref_model=None``;
+  separate_nockpt, shared_nockpt
+            the two above with ``gradient_checkpointing=False``. The other contenders keep
+            TRL's default ``gradient_checkpointing=True``, which this package applies to the
+            policy and the value model; upstream accepts it and never applies it.
 
 The random models are built once per size; every run trains deep copies of them. The
 contenders alternate inside one process (the machine is shared and its load drifts): each
@@ -29,7 +34,8 @@ last one (``on_step_end``), so construction and warm-up are excluded and each ti
 interval is one whole update cycle, including upstream's ``gc.collect()`` calls.
 Throughput = episodes (B per update) or valid response tokens (up to and including the
 first EOS) per second of timed updates; the table shows medians over repeats, the ratios
-ours/upstream of those medians, and the per-repeat (paired) ratios.
+ours/upstream in each repeat (the two ran back to back, under the same load) and their median
+over repeats, which the ratio lines report.
 
 Phases are timed by wrapping, never by changing either trainer: ours through a subclass
 that times ``generate_rollout``, ``score_rollout`` (split into the policy+value forward,
@@ -50,9 +56,9 @@ launched, not for the ones still queued from the phase before.
 oversubscribe the cores and made generation 5-8x slower in trials (100m: ~10 s with 1
 thread, 68-82 s with 2, at a load average of ~6).
 
-The last two lines are ``throughput ratio separate/upstream: <x.xx>`` and
-``throughput ratio shared/upstream: <x.xx>`` (median episodes/s, for 100m when it ran,
-else the last size). Timings are never asserted.
+The last lines are ``throughput ratio <contender>/upstream: <x.xx>``, the checkpointing-off arms
+first and the default config (``separate``, ``shared``) last: the median paired episodes/s
+ratio, for 100m when it ran, else the last size. Timings are never asserted.
 
 ``--vllm`` (vLLM installed; the 100m size, whose head_dim 64 vLLM's CPU attention takes): the
 contenders are ours, separate and shared, each with ``use_vllm=False`` and ``use_vllm=True``
@@ -65,7 +71,7 @@ engines without compilation or CUDA graphs.
 
 The upstream contender needs a TRL that has a PPO trainer (1.0 - 1.12; 1.13 removed it). With
 a newer TRL it is left out, the run says so, ratios are taken to ``separate`` and the last
-line is ``throughput ratio shared/separate: <x.xx>``.
+lines are ``throughput ratio <contender>/separate: <x.xx>``.
 """
 
 from __future__ import annotations
@@ -101,11 +107,15 @@ SIZES = {  # words: ordinary words in the tokenizer (+6 special tokens = vocabul
     "100m": dict(words=7994, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048),
 }
 DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one warm-up
-CONTENDERS = ("upstream", "separate", "shared", "separate_vllm", "shared_vllm")
+# Every contender, in table order. A "_nockpt" contender is its base with gradient_checkpointing=False
+# (upstream accepts the flag and never applies it, so it needs no such arm); "_vllm": use_vllm=True.
+CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt", "separate_vllm", "shared_vllm")
+DEFAULT_CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
 LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "ours, shared LoRA",
+          "separate_nockpt": "separate, no ckpt", "shared_nockpt": "shared, no ckpt",
           "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM"}
-BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (8, 16), 64, 0
+BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 LORA_R, LORA_ALPHA = 16, 32
 TOP_PHASES = ("generate", "score", "advantages", "update", "gc", "other")
 SCORE_PARTS = ("score.policy", "score.ref", "score.value", "score.reward")
@@ -333,6 +343,8 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
     if contender.endswith("_vllm"):
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
+    if contender.endswith("_nockpt"):
+        contender, cfg = contender.removesuffix("_nockpt"), {**cfg, "gradient_checkpointing": False}
     if contender == "upstream":
         from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer  # TRL 1.0 - 1.12 only
 
@@ -383,11 +395,11 @@ def available_contenders() -> tuple[tuple[str, ...], str | None]:
     from trl_ppo_ext import _compat
 
     if _compat.trl_has_ppo():
-        return CONTENDERS, None
+        return DEFAULT_CONTENDERS, None
     why = (f"upstream TRL left out: trl=={_compat.installed_trl_version()} has no PPO trainer (TRL "
            f"{_compat.TRL_WITHOUT_PPO} removed it); install trl<{_compat.TRL_WITHOUT_PPO} to compare with it. "
            "Ratios below are to 'ours, separate'.")
-    return tuple(c for c in CONTENDERS if c != "upstream"), why
+    return tuple(c for c in DEFAULT_CONTENDERS if c != "upstream"), why
 
 
 def measure_size(size: str, args, contenders=CONTENDERS) -> tuple[dict[str, list[dict]], str]:
@@ -418,31 +430,45 @@ def median_of(runs: list[dict], fn) -> float:
     return statistics.median(fn(s) for s in runs)
 
 
+def paired_ratios(results: dict[str, list[dict]], contender: str, ref: str, fn) -> list[float]:
+    """``fn(run of contender) / fn(run of ref)`` for each repeat: the two ran back to back in one
+    repeat, under the same machine load."""
+    return [fn(o) / fn(u) for o, u in zip(results[contender], results[ref])]
+
+
+def episodes_per_second(s: dict) -> float:
+    return s["episodes"] / s["seconds"]
+
+
 def print_size_table(size: str, results: dict[str, list[dict]], args, param_counts: str) -> dict[str, float]:
-    """The throughput table and the phase table for one size; returns median episodes/s by
-    contender. Ratios are to the first contender (upstream, or ours-separate without it)."""
+    """The throughput table and the phase table for one size; returns, by contender, the median
+    over repeats of the paired episodes/s ratio to the first contender (upstream, or
+    ours-separate without it)."""
     contenders = tuple(c for c in CONTENDERS if c in results)
     ref = contenders[0]
-    eps = {c: median_of(results[c], lambda s: s["episodes"] / s["seconds"]) for c in contenders}
+    eps = {c: median_of(results[c], episodes_per_second) for c in contenders}
     tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in contenders}
+    ratios = {c: statistics.median(paired_ratios(results, c, ref, episodes_per_second)) for c in contenders}
     print(f"\n== {size}: {param_counts}, B={BATCH}, T={RESPONSE_LENGTH}, "
-          f"num_ppo_epochs={args.ppo_epochs}, median of {args.repeats} repeats x "
+          f"num_ppo_epochs={args.ppo_epochs}, {args.repeats} repeats x "
           f"{results[ref][0]['updates']} timed update(s) ==")
     print(f"{'contender':<18} | {'episodes/s':>10} | {'resp tok/s':>10} | {'s/update':>8} | "
-          f"{'mean len':>8} | {'eps ratio':>9} | {'tok ratio':>9} | paired eps ratios")
-    print("-" * 110)
+          f"{'mean len':>8} | {'eps ratio':>9} | {'tok ratio':>9} | paired eps ratios (min-max)")
+    print("-" * 118)
     for c in contenders:
         runs = results[c]
         mean_len = sum(s["tokens"] for s in runs) / sum(s["episodes"] for s in runs)
-        paired = [o["episodes"] / o["seconds"] / (u["episodes"] / u["seconds"])
-                  for o, u in zip(runs, results[ref])]
+        paired = paired_ratios(results, c, ref, episodes_per_second)
+        tok = statistics.median(paired_ratios(results, c, ref, lambda s: s["tokens"] / s["seconds"]))
         print(f"{LABELS[c]:<18} | {eps[c]:>10.3f} | {tps[c]:>10.1f} | "
               f"{median_of(runs, lambda s: s['seconds'] / s['updates']):>8.3f} | {mean_len:>8.1f} | "
-              f"{eps[c] / eps[ref]:>8.2f}x | {tps[c] / tps[ref]:>8.2f}x | "
-              + ", ".join(f"{p:.2f}" for p in paired))
+              f"{ratios[c]:>8.2f}x | {tok:>8.2f}x | "
+              + ", ".join(f"{p:.2f}" for p in paired) + f" ({min(paired):.2f}-{max(paired):.2f})")
+    print("episodes/s, s/update: medians over repeats; ratios: median over repeats of the ratio to "
+          f"'{LABELS[ref]}' in the same repeat")
     print_phase_table(results)
     print_vllm_ratios(results)
-    return eps
+    return ratios
 
 
 def print_vllm_ratios(results: dict[str, list[dict]]) -> None:
@@ -508,7 +534,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None,
                         help="comma-separated: " + ", ".join(SIZES) + " (default tiny,100m; with --vllm, 100m)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="paired repeats (default 5)")
     parser.add_argument("--updates", type=int, default=None,
                         help=f"timed updates per run, after one warm-up (default {DEFAULT_UPDATES})")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="num_ppo_epochs for every contender")
@@ -518,6 +544,8 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true",
                         help="ours with and without use_vllm=True (needs vLLM; not the tiny size on a CPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="--vllm: engines without compilation")
+    parser.add_argument("--contenders", default=None,
+                        help="comma-separated subset of " + ", ".join(CONTENDERS) + " (default: all but the vLLM ones)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device.")
@@ -550,19 +578,24 @@ def main() -> None:
                          "use --sizes 100m")
     elif missing:
         print(missing, flush=True)
+    if args.contenders:
+        chosen = [c.strip() for c in args.contenders.split(",") if c.strip()]
+        unknown = [c for c in chosen if c not in CONTENDERS]
+        if unknown or not chosen:
+            parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
+        contenders = tuple(c for c in CONTENDERS if c in chosen)
     ratios = {}
     for size in sizes:
         results, param_counts = measure_size(size, args, contenders)
         ratios[size] = print_size_table(size, results, args, param_counts)
     print(f"\ntotal runtime: {time.perf_counter() - started:.0f} s")
-    eps = ratios[sizes[-1]] if "100m" not in ratios else ratios["100m"]
+    last = ratios[sizes[-1]] if "100m" not in ratios else ratios["100m"]
     if args.vllm:
         return  # the vLLM/transformers ratios were printed under each size's table
-    if missing:
-        print(f"throughput ratio shared/separate: {eps['shared'] / eps['separate']:.2f} (no upstream arm, see above)")
-        return
-    print(f"throughput ratio separate/upstream: {eps['separate'] / eps['upstream']:.2f}")
-    print(f"throughput ratio shared/upstream: {eps['shared'] / eps['upstream']:.2f}")
+    ref = "separate" if missing else "upstream"
+    ordered = [c for c in CONTENDERS if c in last and c != ref]
+    for c in sorted(ordered, key=lambda c: ("nockpt" not in c, CONTENDERS.index(c))):  # the default config last
+        print(f"throughput ratio {c}/{ref}: {last[c]:.2f}")
 
 
 if __name__ == "__main__":
