@@ -77,7 +77,7 @@ step memory_400m_bf16_ckpt 90 "$PY" benchmarks/memory.py $MEM400 --gradient-chec
     --json-out "$OUT/memory_400m_bf16_ckpt.json"
 
 # 4. Throughput with CUDA-synchronized phase timers, bf16 autocast.
-step throughput_bf16 70 "$PY" benchmarks/throughput.py --device cuda --bf16 --sizes tiny,100m --repeats 2
+step throughput_bf16 90 "$PY" benchmarks/throughput.py --device cuda --bf16 --sizes 100m --repeats 3
 
 # 5. Issue 20: rollouts sampled by a colocated vLLM engine vs transformers' generate, both layouts,
 #    100m (fp32 weights, bf16 autocast in training; the engine samples in the weights' dtype).
