@@ -208,3 +208,28 @@ def test_a_trainer_run_puts_each_step_score_on_its_separator(make_trainer):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert len(logs) == 2 and all(f"rewards/{prm.__name__}/mean" in h for h in logs)
+
+
+def test_token_classifiers_among_the_rewards_become_process_reward_functions():
+    from trl_ppo_ext.process_reward import is_token_classifier, with_process_reward_models
+    from trl_ppo_ext.rewards import build_rewards
+    from trl_ppo_ext.tiny import build_tiny_scorer
+
+    policy, theirs = build_tiny_tokenizer(), build_tiny_tokenizer(REVERSED)
+    torch.manual_seed(0)
+    prm = LlamaForTokenClassification(tiny_llama_config(theirs, num_labels=2))
+    rm = build_tiny_scorer(policy)
+    assert is_token_classifier(prm) and not is_token_classifier(rm) and not is_token_classifier(CumsumPRM())
+
+    def check(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    rewards = build_rewards(prm, [check, rm], [2.0, 1.0, 0.5])
+    out, remaining = with_process_reward_models(rewards, policy, [theirs, None], step_separator="w0")
+    assert [r.name for r in out] == [r.name for r in rewards] and [r.weight for r in out] == [2.0, 1.0, 0.5]
+    assert isinstance(out[0].source, ProcessRewardModel) and not out[0].is_model
+    assert out[0].source.text_tokenizer is theirs and out[0].source.model is prm  # its entry: its tokenizer
+    assert out[1] is rewards[1] and out[2] is rewards[2] and remaining == [None]  # the RM keeps its entry
+    assert with_process_reward_models(rewards, policy, None, "w0")[1] is None
+    with pytest.raises(ValueError, match=r"reward_processing_classes has 1 entries but there are 2 reward models"):
+        with_process_reward_models(rewards, policy, [theirs], "w0")

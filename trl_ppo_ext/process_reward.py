@@ -34,7 +34,8 @@ import torch
 
 from .rewards import separator_ends
 
-__all__ = ["ProcessRewardModel", "prm_steps_text", "token_text_ends"]
+__all__ = ["ProcessRewardModel", "is_token_classifier", "prm_steps_text", "separator_positions", "token_text_ends",
+           "with_process_reward_models"]
 
 
 class ProcessRewardModel:
@@ -236,3 +237,52 @@ def token_text_ends(ids: Sequence[int], tokenizer) -> list[int]:
     decoded completion (special tokens skipped, as the trainer decodes for reward functions).
     ``O(T^2)`` decoding; responses are short next to the models that read them."""
     return [len(tokenizer.decode(list(ids[:k + 1]), skip_special_tokens=True)) for k in range(len(ids))]
+
+
+def is_token_classifier(model) -> bool:
+    """Whether ``model`` is a ``*ForTokenClassification`` (by class or config architecture): a
+    process reward model, as opposed to a sequence classifier read at the last token."""
+    names = [type(model).__name__, *(getattr(getattr(model, "config", None), "architectures", None) or [])]
+    return any(str(n).endswith("ForTokenClassification") for n in names)
+
+
+def with_process_reward_models(rewards: Sequence, policy_tokenizer, reward_processing_classes=None,
+                               step_separator: str = "\n") -> tuple[list, list | None]:
+    """``rewards`` (``rewards.build_rewards``) with every token-classifier model replaced by its
+    :class:`ProcessRewardModel`, for a trainer that takes a PRM as ``reward_model`` or among
+    ``reward_funcs``.
+
+    Args:
+        reward_processing_classes: GRPO's list, one entry per reward model in order (a single
+            tokenizer = a list of one; None = all None). A PRM takes its entry as its tokenizer.
+        step_separator: ``PRMTrainer``'s separator, for every PRM.
+    Returns:
+        ``(rewards, remaining)``: the rewards (a PRM becomes a function of the same name and weight),
+        and the entries of the other reward models (None when none was given), for
+        ``rewards.with_reward_tokenizers``.
+    Raises:
+        ValueError when ``reward_processing_classes`` does not have one entry per reward model.
+    """
+    from dataclasses import replace
+
+    models = [r for r in rewards if r.is_model]
+    given = reward_processing_classes
+    entries = [None] * len(models) if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+    if len(entries) != len(models):
+        raise ValueError(
+            f"reward_processing_classes has {len(entries)} entries but there are {len(models)} reward models "
+            f"{[r.name for r in models]} (reward_model first, then the models in reward_funcs). Give one tokenizer (or "
+            "None) per reward model."
+        )
+    by_model = dict(zip((id(r) for r in models), entries))
+    out, remaining = [], []
+    for r in rewards:
+        if r.is_model and is_token_classifier(r.source):
+            prm = ProcessRewardModel(r.source, policy_tokenizer, by_model[id(r)], step_separator=step_separator,
+                                     name=r.name)
+            out.append(replace(r, source=prm))
+        else:
+            if r.is_model:
+                remaining.append(by_model[id(r)])
+            out.append(r)
+    return out, (None if given is None else remaining)
