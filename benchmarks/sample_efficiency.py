@@ -153,13 +153,16 @@ REWARD_VARIANTS = {
     "default": "the task's own reward: the trained reward model (synthetic), the example's functions (verifiable)",
     "process": "the true reward as a per-token reward function: each nice word's share on its token, the stop "
                "bonus on the <eos> (Task.token_rewards)",
+    "process_prefix": "the true reward per token, each token's part depending only on the tokens up to it: the "
+                      "change of the nice-word share it causes, the stop bonus on the <eos> "
+                      "(Task.prefix_token_rewards)",
     "final": "the same true reward as a plain reward function: its sum on the last token",
     "other_vocab": "a reward model trained on another vocabulary (the words in reverse order), read through "
                    "reward_processing_classes (text rebuilt with its chat template)",
 }
 TASKS = {
     "synthetic": TaskSpec(episodes=1024, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32,
-                          rewards=("default", "process", "final", "other_vocab")),
+                          rewards=("default", "process", "process_prefix", "final", "other_vocab")),
     "verifiable": TaskSpec(episodes=4096, hidden_size=32, reward_name="accuracy", batch_size=64),
 }
 
@@ -273,18 +276,22 @@ def synthetic_reward_function(task, variant: str, seen: list):
     """The synthetic task's true reward as a reward function in GRPO's convention.
 
     ``variant`` "process": per completion, ``task.token_rewards`` (one value per token: each nice
-    word's share on its token, the stop bonus on the ``<eos>``); "final": their sum, a number (the
-    trainer puts it on the last token); "measure": the same number, for a zero-weight function that
-    only measures. Every completion's ``task.true_reward`` is appended to ``seen``.
+    word's share on its token, the stop bonus on the ``<eos>``); "process_prefix":
+    ``task.prefix_token_rewards`` (each token's change of the share); "final": their sum, a number
+    (the trainer puts it on the last token); "measure": the same number, for a zero-weight function
+    that only measures. Every completion's ``task.true_reward`` is appended to ``seen``.
     """
-    if variant not in ("process", "final", "measure"):
-        raise ValueError(f"synthetic_reward_function: variant={variant!r}; use 'process', 'final' or 'measure'.")
+    spread = {"process": task.token_rewards, "process_prefix": task.prefix_token_rewards}
+    if variant not in (*spread, "final", "measure"):
+        raise ValueError(f"synthetic_reward_function: variant={variant!r}; use 'process', 'process_prefix', 'final' "
+                         "or 'measure'.")
 
     def true_reward(completion_ids, **kwargs):
         ids = [[int(t) for t in c] for c in completion_ids]
         seen.extend(task.true_reward(None, c) for c in ids)
-        dense = [task.token_rewards(c) for c in ids]
-        return dense if variant == "process" else [sum(d) for d in dense]
+        if variant in spread:
+            return [spread[variant](c) for c in ids]
+        return [sum(task.token_rewards(c)) for c in ids]  # the true reward, as the runs measured it
 
     return true_reward
 
@@ -446,7 +453,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                 seen.clear()
                 return (sum(values) / len(values) if values else None), len(values)
 
-        if arm.reward in ("process", "final"):
+        if arm.reward in ("process", "process_prefix", "final"):
             models.update(reward_model=None, reward_funcs=[synthetic_reward_function(task, arm.reward, seen)])
         elif arm.reward == "other_vocab":
             from transformers import AutoTokenizer

@@ -142,6 +142,28 @@ class Task:
             out[len(words)] = self.stop_bonus  # the <eos> right after the last word
         return out
 
+    def prefix_token_rewards(self, response: Sequence[int]) -> list[float]:
+        """The true reward spread over the tokens so that each token's reward depends only on
+        the tokens up to it: word ``k`` gets ``share(words[:k + 1]) - share(words[:k])`` (the
+        change of the nice-word share it causes, ``share([]) = 0``), the ``<eos>`` that stops
+        in time gets ``stop_bonus``. The list sums to ``true_reward(None, response)`` as
+        ``token_rewards`` does, but there a nice word's ``1 / len(words)`` depends on how many
+        words come after it, which later tokens' returns never see.
+
+        Example: ``"kind rude calm <eos>"`` -> ``[1, 1/2 - 1, 2/3 - 1/2, 0.5]`` (sum 2/3 + 0.5).
+        """
+        ids = [int(i) for i in response]
+        words, stopped = self.answer_words(ids)
+        out = [0.0] * len(ids)
+        nice, count, before = set(self.nice_words), 0, 0.0
+        for k, word in enumerate(words):
+            count += word in nice
+            share = count / (k + 1)
+            out[k], before = share - before, share
+        if words and stopped and len(words) <= self.max_words:
+            out[len(words)] = self.stop_bonus
+        return out
+
     def content_tokens(self) -> tuple[str, ...]:
         """Every token an answer can contain except ``<eos>`` (the end) and ``<pad>`` (padding)."""
         vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
