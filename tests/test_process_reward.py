@@ -58,11 +58,11 @@ def test_same_vocabulary_reads_the_policy_ids_after_bos_and_prompt():
     assert [k for k, _ in out[0]] == [1, 3]  # the separator's token, then the completion's last (the EOS)
     assert out[0][0][1] == pytest.approx(_p(34), abs=1e-7) and out[0][1][1] == pytest.approx(_p(53), abs=1e-7)
 
-    # final_step=False: only the separator; the ids as they are (EOS included, after the read)
+    # final_step=False: only the separator; the ids up to the last word (PRMTrainer's rows have no EOS)
     only = ProcessRewardModel(CumsumPRM(), tok, tok, step_separator="w0", final_step=False)
     got = only(prompts=["w1 w2"], completions=["w5 w0 w7"], completion_ids=[[11, 6, 13, 3]])
     assert got == [[(1, pytest.approx(_p(34), abs=1e-7))]]
-    assert only.model.calls[0].tolist() == [[2, 7, 8, 11, 6, 13, 3]]
+    assert only.model.calls[0].tolist() == [[2, 7, 8, 11, 6, 13]]
 
 
 def test_completions_ending_on_a_separator_or_without_steps():
@@ -72,7 +72,7 @@ def test_completions_ending_on_a_separator_or_without_steps():
                    [3],          # only the EOS: no step, no score
                    [6, 6]]       # two separators, no EOS
     out = reward(prompts=["w1", "w1", "w1"], completions=["", "", ""], completion_ids=completions)
-    # rows: 2 7 | 11 6 3 -> cumsum at 3: 2+7+11+6 = 26; 2 7 | 3; 2 7 | 6 6 -> at 2: 15, at 3: 21
+    # rows (EOS dropped): 2 7 | 11 6 -> cumsum at 3: 2+7+11+6 = 26; 2 7; 2 7 | 6 6 -> at 2: 15, at 3: 21
     assert out == [[(1, pytest.approx(_p(26)))], [], [(0, pytest.approx(_p(15))), (1, pytest.approx(_p(21)))]]
 
 
@@ -82,7 +82,7 @@ def test_batches_pad_without_changing_a_score():
     one = ProcessRewardModel(CumsumPRM(), tok, tok, step_separator="w0", batch_size=1)(**args)
     two = ProcessRewardModel(CumsumPRM(), tok, tok, step_separator="w0", batch_size=2)(**args)
     assert one == two
-    # row 0: 2 7 8 9 | 11 6 13 6 3: separators at 1 and 3: cumsum 43, 62
+    # row 0: 2 7 8 9 | 11 6 13 6 (EOS dropped): separators at 1 and 3: cumsum 43, 62
     assert one[0] == [(1, pytest.approx(_p(43))), (3, pytest.approx(_p(62)))]
 
 
@@ -92,8 +92,8 @@ def test_conversational_prompts_use_the_prm_chat_template():
     reward = ProcessRewardModel(prm, tok, tok, step_separator="w0")
     reward(prompts=[[{"role": "user", "content": "w1"}]], completions=[[{"role": "assistant", "content": "w0"}]],
            completion_ids=[[6, 3]])
-    # "<user> w1 <eos> <assistant> " after <bos>: 2 4 7 3 5, then the completion w0 <eos> as it is
-    assert prm.calls[0].tolist() == [[2, 4, 7, 3, 5, 6, 3]]
+    # "<user> w1 <eos> <assistant> " after <bos>: 2 4 7 3 5, then the completion w0 (its EOS dropped)
+    assert prm.calls[0].tolist() == [[2, 4, 7, 3, 5, 6]]
     bare = build_tiny_tokenizer(chat_template=None)
     with pytest.raises(ValueError, match="conversational but the PRM's tokenizer has no chat template"):
         ProcessRewardModel(CumsumPRM(), bare, bare, step_separator="w0")(

@@ -15,7 +15,7 @@ on the token that ends the step's separator in the policy's completion (per-toke
 Two paths, as for sequence reward models (``reward_text``):
 
 * **ids** (the PRM's tokenizer has the policy's vocabulary, ``reward_text.same_vocabulary``): the
-  completion's own ids follow the prompt, and the separators are found in them
+  completion's own ids (without its final EOS) follow the prompt, and the separators are found in them
   (``rewards.separator_ends``): the scores land exactly on the policy's separator tokens.
 * **text** (another vocabulary): the completion is decoded, split into steps on
   ``step_separator`` and tokenized step by step as ``PRMTrainer`` does; the ``j``-th score goes
@@ -119,18 +119,19 @@ class ProcessRewardModel:
         return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + list(ids)
 
     def _id_path(self, completion_ids) -> tuple[list[int], list[int], list[int]]:
-        """The completion's own ids; the scores at its separator ends (and at its last token)."""
+        """The completion's own ids up to its last non-special token (``PRMTrainer``'s rows have no
+        EOS); the scores at its separator ends (and at its last token for a final step)."""
         ids = [int(i) for i in completion_ids]
-        n = len(ids)
-        ends = separator_positions(ids, self.separator_ids)
-        body, read, place = list(ids), list(ends), list(ends)
-        last = n - 1
+        last = len(ids) - 1
         while last >= 0 and ids[last] in self.policy_tokenizer.all_special_ids:  # the EOS is no step text
             last -= 1
+        body = ids[:last + 1]
+        ends = separator_positions(body, self.separator_ids)
+        read, place = list(ends), list(ends)
         if self.final_step and last >= 0 and (not ends or ends[-1] < last):
-            body = ids[:last + 1] + list(self.separator_ids)  # the step closed as PRMTrainer closes every step
+            body = body + list(self.separator_ids)  # the step closed as PRMTrainer closes every step
             read.append(len(body) - 1)
-            place.append(n - 1)
+            place.append(len(ids) - 1)
         return body, read, place
 
     def _text_path(self, completion_ids) -> tuple[list[int], list[int], list[int]]:
