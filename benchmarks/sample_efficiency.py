@@ -6,11 +6,13 @@
 
 An *arm* is a name for a way to train: ``PPOConfig`` overrides on top of the task's settings,
 which trainer runs them (this package's, or TRL 1.12's own ``trl.experimental.ppo.PPOTrainer``
-for the ``trl112`` arm) and which reward variant of the task it trains on (``default`` here;
-issue 22's comparisons add variants). ``--arm NAME:field=value,field=value`` adds one on the
-command line (values are read as JSON, else kept as strings). An arm naming a field the
-installed ``PPOConfig`` lacks is left out with a printed note, so the same command works
-before and after a field is wired.
+for the ``trl112`` arm) and which reward variant of the task it trains on (``default``; the
+synthetic task also has issue 22's ``process``, ``process_prefix``, ``final`` and ``other_vocab``,
+see ``REWARD_VARIANTS``: the true reward as per-token or final reward functions, an RM of another
+vocabulary; each measured by the same true reward of the policy's completions).
+``--arm NAME:field=value,field=value`` adds one on the command line (values are read as JSON,
+else kept as strings). An arm naming a field the installed ``PPOConfig`` lacks is left out
+with a printed note, so the same command works before and after a field is wired.
 
 Every arm of a task gets the same models (built once per seed by a ``--prepare`` process and
 loaded by every run), prompts, batch sizes, learning rate, response length and seeds. Each
