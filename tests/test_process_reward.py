@@ -233,3 +233,20 @@ def test_token_classifiers_among_the_rewards_become_process_reward_functions():
     assert with_process_reward_models(rewards, policy, None, "w0")[1] is None
     with pytest.raises(ValueError, match=r"reward_processing_classes has 1 entries but there are 2 reward models"):
         with_process_reward_models(rewards, policy, [theirs], "w0")
+
+
+def test_through_text_finds_a_separator_merged_into_another_token():
+    # a policy token "w5w0" holds the separator's text; the id path sees no w0 id in it
+    tok = build_tiny_tokenizer([f"w{i}" for i in range(40)] + ["w5w0"])
+    merged, w7, w0 = tok.convert_tokens_to_ids(["w5w0", "w7", "w0"])
+    by_ids = ProcessRewardModel(CumsumPRM(), tok, tok, step_separator="w0")
+    prm = CumsumPRM()
+    by_text = ProcessRewardModel(prm, tok, tok, step_separator="w0", through_text=True)
+    assert by_ids.text_tokenizer is None and by_text.text_tokenizer is tok
+    args = dict(prompts=["w1"], completions=["w5w0 w7"], completion_ids=[[merged, w7, 3]])
+    assert [k for k, _ in by_ids(**args)[0]] == [2]  # only the final step, on the last token
+    out = by_text(**args)
+    # text "w5w0 w7" split on "w0": steps "w5" and " w7" (final); PRM ids <bos> w1 | w5 w0 | w7 w0
+    assert prm.calls[0].tolist() == [[2, 7, 11, w0, w7, w0]]
+    # cumsum 2 9 20 26 39 45: read at 3 and 5; the first lands on the merged token (its text ends the separator)
+    assert out == [[(0, pytest.approx(_p(26))), (2, pytest.approx(_p(45)))]]

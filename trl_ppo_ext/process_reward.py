@@ -54,6 +54,9 @@ class ProcessRewardModel:
             least one known token of the PRM's tokenizer.
         positive_label: the "good step" class (1 in ``PRMTrainer``).
         final_step: score a last step that has no separator (see the module docstring).
+        through_text: take the text path even when the vocabularies match: the separator is then
+            found in the decoded text, also where the policy's tokenizer merged it into another
+            token (a BPE ``".\n"``), which the id path's search of the separator's ids misses.
         batch_size: completions per PRM forward pass.
         name: the reward's name in metrics (default: the last part of the model's path).
     Raises:
@@ -63,7 +66,8 @@ class ProcessRewardModel:
     """
 
     def __init__(self, model, policy_tokenizer, reward_tokenizer=None, step_separator: str = "\n",
-                 positive_label: int = 1, final_step: bool = True, batch_size: int = 8, name: str | None = None):
+                 positive_label: int = 1, final_step: bool = True, through_text: bool = False, batch_size: int = 8,
+                 name: str | None = None):
         from .reward_text import resolve_reward_tokenizer
 
         labels = getattr(getattr(model, "config", None), "num_labels", None)
@@ -84,6 +88,8 @@ class ProcessRewardModel:
         # None: the PRM reads the policy's ids (same vocabulary); else its own tokenizer, through text
         self.text_tokenizer = resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer,
                                                        where=f"ProcessRewardModel {self.__name__!r}")
+        if through_text and self.text_tokenizer is None:
+            self.text_tokenizer = reward_tokenizer if reward_tokenizer is not None else policy_tokenizer
         self.model, self.policy_tokenizer = model.eval(), policy_tokenizer
         self.tokenizer = self.text_tokenizer or policy_tokenizer  # the PRM's
         self.step_separator, self.positive_label = step_separator, positive_label
