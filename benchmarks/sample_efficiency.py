@@ -6,11 +6,13 @@
 
 An *arm* is a name for a way to train: ``PPOConfig`` overrides on top of the task's settings,
 which trainer runs them (this package's, or TRL 1.12's own ``trl.experimental.ppo.PPOTrainer``
-for the ``trl112`` arm) and which reward variant of the task it trains on (``default`` here;
-issue 22's comparisons add variants). ``--arm NAME:field=value,field=value`` adds one on the
-command line (values are read as JSON, else kept as strings). An arm naming a field the
-installed ``PPOConfig`` lacks is left out with a printed note, so the same command works
-before and after a field is wired.
+for the ``trl112`` arm) and which reward variant of the task it trains on (``default``; the
+synthetic task also has issue 22's ``process``, ``process_prefix``, ``final`` and ``other_vocab``,
+see ``REWARD_VARIANTS``: the true reward as per-token or final reward functions, an RM of another
+vocabulary; each measured by the same true reward of the policy's completions).
+``--arm NAME:field=value,field=value`` adds one on the command line (values are read as JSON,
+else kept as strings). An arm naming a field the installed ``PPOConfig`` lacks is left out
+with a printed note, so the same command works before and after a field is wired.
 
 Every arm of a task gets the same models (built once per seed by a ``--prepare`` process and
 loaded by every run), prompts, batch sizes, learning rate, response length and seeds. Each
@@ -145,10 +147,24 @@ class TaskSpec:
     hidden_size: int
     reward_name: str  # what the row's "reward" is
     batch_size: int  # episodes per update
+    rewards: tuple[str, ...] = ("default",)  # the reward variants an arm may pick (see REWARD_VARIANTS)
 
 
+# The reward variants of the synthetic task (issue 22); every one is measured by the same true reward.
+REWARD_VARIANTS = {
+    "default": "the task's own reward: the trained reward model (synthetic), the example's functions (verifiable)",
+    "process": "the true reward as a per-token reward function: each nice word's share on its token, the stop "
+               "bonus on the <eos> (Task.token_rewards)",
+    "process_prefix": "the true reward per token, each token's part depending only on the tokens up to it: the "
+                      "change of the nice-word share it causes, the stop bonus on the <eos> "
+                      "(Task.prefix_token_rewards)",
+    "final": "the same true reward as a plain reward function: its sum on the last token",
+    "other_vocab": "a reward model trained on another vocabulary (the words in reverse order), read through "
+                   "reward_processing_classes (text rebuilt with its chat template)",
+}
 TASKS = {
-    "synthetic": TaskSpec(episodes=1024, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32),
+    "synthetic": TaskSpec(episodes=1024, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32,
+                          rewards=("default", "process", "process_prefix", "final", "other_vocab")),
     "verifiable": TaskSpec(episodes=4096, hidden_size=32, reward_name="accuracy", batch_size=64),
 }
 
@@ -209,6 +225,77 @@ def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> Non
     (tmp / "info.json").write_text(json.dumps({"seed": seed, "hidden_size": hidden_size, **info}))
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)
+
+
+def other_vocab_tokenizer():
+    """The synthetic task's words in reverse order after the same special tokens: every word has
+    another id than in the policy's tokenizer, the chat template is the same."""
+    from synthetic_task import NASTY_WORDS, NICE_WORDS, PROMPT_WORDS, TOPICS
+
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(list(NICE_WORDS + NASTY_WORDS + TOPICS + PROMPT_WORDS)[::-1])
+
+
+def prepare_other_vocab(seed: int, model_dir: Path, hidden_size: int) -> Path:
+    """The ``other_vocab`` variant's reward model for ``seed`` (built on first use, atomically, under
+    ``model_dir``): trained as ``prepare``'s, but on ids of :func:`other_vocab_tokenizer`, and on the
+    sequences the trainer's text path gives it (every answer closed by ``<eos>``: the RM's chat
+    template closes the assistant turn, whether or not the policy stopped). Returns its directory."""
+    import torch
+    from ppo_lora import DEMO_DEFAULTS, ScriptArguments
+    from synthetic_task import Task, make_preference_pairs, train_reward_model
+
+    final = model_dir / "reward_model_other_vocab"
+    if (final / "config.json").is_file():
+        return final
+    torch.set_num_threads(1)
+    tokenizer = other_vocab_tokenizer()
+    script, task = ScriptArguments(), Task(tokenizer=tokenizer, seed=seed)
+    eos = tokenizer.eos_token_id
+
+    def closed(rows):
+        keys = ("chosen_ids", "rejected_ids")
+        return rows.map(lambda r: {k: r[k] if r[k][-1] == eos else r[k] + [eos] for k in keys})
+
+    length = DEMO_DEFAULTS["response_length"]
+    pairs = closed(make_preference_pairs(task, script.rm_pairs, seed=seed + 1, max_answer_tokens=length))
+    held_out = closed(make_preference_pairs(task, script.rm_eval_pairs, seed=seed + 2, max_answer_tokens=length))
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, accuracy = train_reward_model(task, pairs, held_out, str(tmp / "trainer"), epochs=script.rm_epochs,
+                                         seed=seed, learning_rate=script.rm_learning_rate, hidden_size=hidden_size)
+    shutil.rmtree(tmp / "trainer", ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "info.json").write_text(json.dumps({"seed": seed, "rm_pair_accuracy": accuracy}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def synthetic_reward_function(task, variant: str, seen: list):
+    """The synthetic task's true reward as a reward function in GRPO's convention.
+
+    ``variant`` "process": per completion, ``task.token_rewards`` (one value per token: each nice
+    word's share on its token, the stop bonus on the ``<eos>``); "process_prefix":
+    ``task.prefix_token_rewards`` (each token's change of the share); "final": their sum, a number
+    (the trainer puts it on the last token); "measure": the same number, for a zero-weight function
+    that only measures. Every completion's ``task.true_reward`` is appended to ``seen``.
+    """
+    spread = {"process": task.token_rewards, "process_prefix": task.prefix_token_rewards}
+    if variant not in (*spread, "final", "measure"):
+        raise ValueError(f"synthetic_reward_function: variant={variant!r}; use 'process', 'process_prefix', 'final' "
+                         "or 'measure'.")
+
+    def true_reward(completion_ids, **kwargs):
+        ids = [[int(t) for t in c] for c in completion_ids]
+        seen.extend(task.true_reward(None, c) for c in ids)
+        if variant in spread:
+            return [spread[variant](c) for c in ids]
+        return [sum(task.token_rewards(c)) for c in ids]  # the true reward, as the runs measured it
+
+    return true_reward
 
 
 class RewardRecorder:
@@ -309,8 +396,12 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
 
     torch.set_num_threads(1)
     set_seed(seed)
-    if arm.reward != "default":
-        raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has only 'default'.")
+    variants = TASKS[task_name].rewards
+    if arm.reward not in variants:
+        raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has {', '.join(map(repr, variants))}.")
+    if arm.reward != "default" and arm.trainer == "trl112":
+        raise ValueError(f"reward variant {arm.reward!r} needs this package's trainer; TRL 1.12's takes one reward "
+                         "model of the policy's vocabulary.")
     if arm.trainer == "trl112":
         from trl_ppo_ext._compat import load_trl_ppo
 
@@ -331,7 +422,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
 
         task = build_task(seed)
         ppo = {k: v for k, v in DEMO_DEFAULTS.items() if k in {f.name for f in dataclasses.fields(config_cls)}}
-        config = config_cls(**{**ppo, **common, **arm.overrides})
+        # other_vocab: the reward model, then a zero-weight function that only measures the true reward
+        weights = {"reward_weights": [1.0, 0.0]} if arm.reward == "other_vocab" else {}
+        config = config_cls(**{**ppo, **common, **weights, **arm.overrides})
         policy = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
         reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model").eval()
         prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
@@ -354,6 +447,23 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                           train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
         else:
             models.update(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+        if arm.reward != "default":  # issue 22's variants: the true reward read from the policy's own ids
+            seen: list[float] = []
+
+            def batch_reward(logs):
+                values = seen[:]
+                seen.clear()
+                return (sum(values) / len(values) if values else None), len(values)
+
+        if arm.reward in ("process", "process_prefix", "final"):
+            models.update(reward_model=None, reward_funcs=[synthetic_reward_function(task, arm.reward, seen)])
+        elif arm.reward == "other_vocab":
+            from transformers import AutoTokenizer
+
+            path = prepare_other_vocab(seed, model_dir, hidden_size)
+            models.update(reward_model=AutoModelForSequenceClassification.from_pretrained(path).eval(),
+                          reward_processing_classes=[AutoTokenizer.from_pretrained(path)],
+                          reward_funcs=[synthetic_reward_function(task, "measure", seen)])
     else:
         from ppo_verifiable import PPO_DEFAULTS, TaskArguments, ppo_prompts, reward_functions
         from verifiable_task import build_task, split_pairs

@@ -115,6 +115,55 @@ class Task:
         share = sum(w in nice for w in words) / len(words)
         return share + (self.stop_bonus if stopped and len(words) <= self.max_words else 0.0)
 
+    def token_rewards(self, response: Sequence[int]) -> list[float]:
+        """The true reward spread over the response's tokens (a process reward, issue 22).
+
+        Each nice word gets its share ``1 / len(words)`` on its own token, the ``<eos>`` that
+        stops the answer in time gets ``stop_bonus``, every other token 0, so the list sums to
+        ``true_reward(None, response)``. An empty answer gets zeros, as its true reward is 0.
+
+        Args:
+            response: the generated token ids without padding (``completion_ids``).
+        Returns:
+            One float per token of ``response``.
+
+        Example: ``"kind rude calm <eos>"`` -> ``[1/3, 0, 1/3, 0.5]`` (sum 2/3 + 0.5).
+        """
+        ids = [int(i) for i in response]
+        words, stopped = self.answer_words(ids)
+        out = [0.0] * len(ids)
+        if not words:
+            return out
+        nice = set(self.nice_words)
+        for k, word in enumerate(words):
+            if word in nice:
+                out[k] = 1.0 / len(words)
+        if stopped and len(words) <= self.max_words:
+            out[len(words)] = self.stop_bonus  # the <eos> right after the last word
+        return out
+
+    def prefix_token_rewards(self, response: Sequence[int]) -> list[float]:
+        """The true reward spread over the tokens so that each token's reward depends only on
+        the tokens up to it: word ``k`` gets ``share(words[:k + 1]) - share(words[:k])`` (the
+        change of the nice-word share it causes, ``share([]) = 0``), the ``<eos>`` that stops
+        in time gets ``stop_bonus``. The list sums to ``true_reward(None, response)`` as
+        ``token_rewards`` does, but there a nice word's ``1 / len(words)`` depends on how many
+        words come after it, which later tokens' returns never see.
+
+        Example: ``"kind rude calm <eos>"`` -> ``[1, 1/2 - 1, 2/3 - 1/2, 0.5]`` (sum 2/3 + 0.5).
+        """
+        ids = [int(i) for i in response]
+        words, stopped = self.answer_words(ids)
+        out = [0.0] * len(ids)
+        nice, count, before = set(self.nice_words), 0, 0.0
+        for k, word in enumerate(words):
+            count += word in nice
+            share = count / (k + 1)
+            out[k], before = share - before, share
+        if words and stopped and len(words) <= self.max_words:
+            out[len(words)] = self.stop_bonus
+        return out
+
     def content_tokens(self) -> tuple[str, ...]:
         """Every token an answer can contain except ``<eos>`` (the end) and ``<pad>`` (padding)."""
         vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])

@@ -12,9 +12,11 @@ Request: one ``POST`` of JSON per batch of at most ``batch_size`` completions, i
      "completions": [completion, ...],            # the completion alone (an extra key)
      <column>:      [value, ...], ...}            # each of `columns`, when asked for
 
-Reply: JSON with ``"rewards"`` (``score_key``): one number per completion of the request, in
-its order; JSON ``null`` means "does not apply" (a reward function's None). Other keys
-(OpenRLHF's ``"scores"``, ``"extra_logs"``) are ignored.
+Reply: JSON with ``"rewards"`` (``score_key``): one entry per completion of the request, in
+its order: a number; JSON ``null`` ("does not apply", a reward function's None); or per-token
+rewards (issue 22), a list of numbers (one per completion token) or of ``[token_index, number]``
+pairs, placed by the trainer as a reward function's lists (``rewards.token_rewards``). Other
+keys (OpenRLHF's ``"scores"``, ``"extra_logs"``) are ignored.
 
 Failures: a timeout, a refused or dropped connection, or HTTP 408/429/5xx is retried up to
 ``max_retries`` times, waiting ``backoff * 2**k`` seconds (at most ``max_backoff``) before
@@ -79,7 +81,7 @@ class RemoteReward:
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, name={self.__name__!r})"
 
-    async def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float | None]:
+    async def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float | list | None]:
         """Rewards for ``completions`` (GRPO's convention), one per completion, in order."""
         payloads = self.payloads(prompts, completions, completion_ids, columns)
         limit = asyncio.Semaphore(self.max_concurrent_requests)
@@ -132,7 +134,7 @@ class RemoteReward:
         return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
     # ------------------------------------------------------------ the reply
-    async def _post_with_retries(self, payload: dict) -> list[float | None]:
+    async def _post_with_retries(self, payload: dict) -> list[float | list | None]:
         try:
             body = json.dumps(payload).encode()
         except (TypeError, ValueError) as err:
@@ -166,7 +168,7 @@ class RemoteReward:
             f"{last}. Check the service, or raise `timeout`/`max_retries`."
         )
 
-    def parse_reply(self, reply: bytes, expected: int) -> list[float | None]:
+    def parse_reply(self, reply: bytes, expected: int) -> list[float | list | None]:
         """The rewards of one reply, or a :class:`RemoteRewardError` naming the URL and the problem."""
         try:
             data = json.loads(reply)
@@ -182,11 +184,28 @@ class RemoteReward:
             got = f"{len(values)} values" if isinstance(values, list) else repr(values)[:_EXCERPT]
             raise RemoteRewardError(f"Remote reward {self.url} replied with {got} in {self.score_key!r} for "
                                     f"{expected} completions; it must send one number per completion, in order.")
-        for i, v in enumerate(values):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise RemoteRewardError(f"Remote reward {self.url} replied {v!r} for completion {i} of the request; "
-                                        "each reward must be a number (or null where it does not apply).")
-        return [None if v is None else float(v) for v in values]
+        return [self._entry(v, i) for i, v in enumerate(values)]
+
+    def _entry(self, value, i: int):
+        """One completion's reward: None, a float, a list of floats (dense per-token) or of
+        ``(int, float)`` pairs; anything else is a :class:`RemoteRewardError`."""
+        if value is None or _is_json_number(value):
+            return None if value is None else float(value)
+        if isinstance(value, list):
+            if all(_is_json_number(v) for v in value):
+                return [float(v) for v in value]
+            if all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                   and _is_json_number(p[1]) for p in value):
+                return [(p[0], float(p[1])) for p in value]
+        raise RemoteRewardError(
+            f"Remote reward {self.url} replied {value!r} for completion {i} of the request; each reward must be a "
+            "number (or null where it does not apply), or per-token rewards: a list of numbers, one per token, or "
+            "of [token_index, number] pairs."
+        )
+
+
+def _is_json_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _completion_text(completion) -> str:
