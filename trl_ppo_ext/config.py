@@ -78,6 +78,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         reward_weights (`list[float]` or `None`, defaults to `None`):
             One weight per reward -- ``reward_model`` first, then each of the trainer's
             ``reward_funcs`` -- in the combined score; None: 1 each.
+        step_separator (`str`, defaults to `"\\n"`):
+            A process reward model's step separator (TRL ``PRMTrainerConfig.step_separator``): a
+            token-classification ``reward_model`` (or model in ``reward_funcs``) scores each step at
+            the last token of its separator, and the score lands on that token of the completion.
         max_rollout_age (`int` or `None`, defaults to `None`):
             Discard and regenerate a rollout sampled more than this many updates ago (policy
             lag). ``None``: no limit. The synchronous trainer's rollouts have age 0; the limit
@@ -166,6 +170,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         metadata={
             "help": "Weights of the rewards (reward_model first, then each of reward_funcs, in order) in the "
             "combined score: score = sum of weight * reward over the rewards that apply. None: 1 each."
+        },
+    )
+    step_separator: str = field(
+        default="\n",
+        metadata={
+            "help": "A process reward model's step separator (PRMTrainerConfig.step_separator): a token-classification "
+            "reward model scores each step at its separator's last token, where the score lands in the completion."
         },
     )
     max_rollout_age: int | None = field(

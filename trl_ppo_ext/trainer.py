@@ -54,10 +54,10 @@ from .checkpointing import CheckpointMixin, clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
-from .gradients import clip_grad_norm_
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE
 from .generation.mismatch import importance_sampling_weights
+from .gradients import clip_grad_norm_
 from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
@@ -80,6 +80,7 @@ from .modeling import (
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
+from .process_reward import ProcessRewardModel, with_process_reward_models
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .reward_text import completion_texts, reward_texts, score_texts
 from .rewards import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
@@ -188,6 +189,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.processing_class = processing_class
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
         self._check_inputs(model, ref_model, train_dataset, processing_class)
+        # a token classifier (TRL's PRMTrainer) is a process reward: its step scores on the separators
+        self.rewards, reward_processing_classes = with_process_reward_models(
+            self.rewards, processing_class, reward_processing_classes, args.step_separator)
         self._check_reward_heads(reward_model)
         # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
         self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
@@ -206,7 +210,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
         self.ref_model = self._build_reference(model, ref_model)
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
-            entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model))
+            entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
+                            *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
             if m is not None for entry in disable_dropout(m)
         ]
 
@@ -543,8 +548,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             replace(r, source=self._place_frozen(r.source, r.name, self.args.offload_reward_model)) if r.is_model else r
             for r in self.rewards
         ]
+        for r in self.rewards:  # a process reward model reads its model on the training device (no offload)
+            if isinstance(r.source, ProcessRewardModel):
+                r.source.model = self._place_frozen(r.source.model, r.name, False)
         if self.reward_model is not None:
-            self.reward_model = self.rewards[0].source
+            first = self.rewards[0].source
+            self.reward_model = first.model if isinstance(first, ProcessRewardModel) else first
 
     def _place_frozen(self, model: nn.Module, name: str, offloaded: bool) -> nn.Module:
         """A frozen model in eval mode: a DeepSpeed inference engine under DeepSpeed, else on the
