@@ -8,6 +8,14 @@ and writes every gradient: for a full fine-tune of a 97M-parameter policy and it
 that leaves every bit as it was. The trainer reads one scalar back per optimizer step anyway
 (the non-finite guard), so here the norm is compared on the host and the gradients are scaled
 only when the factor is below 1: the same gradients, bit for bit, as torch's function.
+
+>>> import torch
+>>> p, q = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+>>> p.grad, q.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])  # norm sqrt(9 + 16) = 5
+>>> clip_grad_norm_([p, q], max_norm=10.0).item(), p.grad.tolist()  # below: untouched
+(5.0, [3.0, 0.0])
+>>> clip_grad_norm_([p, q], max_norm=1.0).item(), [round(x, 4) for x in p.grad.tolist() + q.grad.tolist()]
+(5.0, [0.6, 0.0, 0.8])
 """
 
 from __future__ import annotations
