@@ -52,6 +52,10 @@ kernels run asynchronously, so on CUDA every clock reading (phase start and end,
 end) first calls ``torch.cuda.synchronize()``: a phase is charged for the kernels it
 launched, not for the ones still queued from the phase before.
 
+``--flops`` times nothing: it counts the matmul FLOPs (``torch.utils.flop_counter``) of one
+update per contender, split into generation, scoring and the PPO update, i.e. the work each
+trainer asks for whatever the machine's load.
+
 ``--threads`` defaults to 1 (CPU only): on a shared 2-core machine two intra-op threads
 oversubscribe the cores and made generation 5-8x slower in trials (100m: ~10 s with 1
 thread, 68-82 s with 2, at a load average of ~6).
@@ -389,6 +393,90 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
     return clock.summary(BATCH, remainder="update" if contender == "upstream" else "other")
 
 
+# ---------------------------------------------------------------------------- FLOPs
+@contextmanager
+def counted_phases(trainer, contender: str, counts: dict[str, float], active):
+    """Add the matmul FLOPs (``torch.utils.flop_counter``) of each rollout phase to ``counts``
+    while ``active()`` is true: ours' ``generate_rollout`` and ``score_rollout``; upstream's
+    module-level ``batch_generation``, no-grad ``forward`` (the reference) and ``get_reward``
+    (value and reward model). Whatever else the update does is its PPO update."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def counting(fn, phase, no_grad_only=False):
+        def wrapper(*args, **kwargs):
+            if not active() or (no_grad_only and torch.is_grad_enabled()):
+                return fn(*args, **kwargs)
+            with FlopCounterMode(display=False) as counter:
+                result = fn(*args, **kwargs)
+            counts[phase] += counter.get_total_flops()
+            return result
+        return wrapper
+
+    if contender == "upstream":
+        owner = sys.modules[type(trainer).__module__]
+        targets = [("batch_generation", "generate", False), ("forward", "score", True), ("get_reward", "score", False)]
+    else:
+        owner = trainer
+        targets = [("generate_rollout", "generate", False), ("score_rollout", "score", False)]
+    original = {name: getattr(owner, name) for name, _, _ in targets}
+    for name, phase, no_grad_only in targets:
+        setattr(owner, name, counting(original[name], phase, no_grad_only))
+    try:
+        yield
+    finally:
+        for name, fn in original.items():
+            if contender == "upstream":
+                setattr(owner, name, fn)
+            else:
+                del owner.__dict__[name]  # the class's method shows through again
+
+
+def measure_flops(size: str, args, contenders) -> None:
+    """Matmul GFLOP of one PPO update (the second; the first warms up) per contender and phase:
+    a count of the work each trainer asks for, independent of the machine and its load."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import PrinterCallback, TrainerCallback
+
+    from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
+
+    spec = dict(SIZES[size])
+    tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
+    dataset = random_word_prompts(tokenizer, N_PROMPTS, *PROMPT_LENGTHS, seed=SEED)
+    models = PristineModels(tokenizer, spec)
+    print(f"\n== {size}: matmul GFLOP of one update (the second), B={BATCH}, T={RESPONSE_LENGTH}, "
+          f"num_ppo_epochs={args.ppo_epochs} ==")
+    print(f"{'contender':<18} | {'total':>8} | {'generate':>8} | {'score':>8} | {'update':>8} | total ratio")
+    reference = None
+    for contender in contenders:
+        counts, ended = defaultdict(float), [0]
+        whole = FlopCounterMode(display=False)
+
+        class Boundaries(TrainerCallback):
+            def on_step_end(self, *unused, **kwargs):
+                ended[0] += 1
+                if ended[0] == 1:
+                    whole.__enter__()
+                elif ended[0] == 2:
+                    whole.__exit__(None, None, None)
+
+        with tempfile.TemporaryDirectory() as out:
+            cfg = config_kwargs(out, 1, args.ppo_epochs, args.device, args.bf16)
+            torch.manual_seed(SEED)
+            np.random.seed(SEED)
+            trainer = build_trainer(contender, tokenizer, dataset, models, cfg, Clock(args.device))
+            trainer.remove_callback(PrinterCallback)
+            trainer.add_callback(Boundaries())
+            with counted_phases(trainer, contender, counts, lambda: ended[0] == 1), redirect_stdout(io.StringIO()):
+                trainer.train()
+        total = whole.get_total_flops() / 1e9
+        reference = reference or total
+        gen, score = counts["generate"] / 1e9, counts["score"] / 1e9
+        print(f"{LABELS[contender]:<18} | {total:>8.2f} | {gen:>8.2f} | {score:>8.2f} | "
+              f"{total - gen - score:>8.2f} | {total / reference:.2f}x")
+        del trainer
+        gc.collect()
+
+
 # ---------------------------------------------------------------------------- report
 def available_contenders() -> tuple[tuple[str, ...], str | None]:
     """The contenders this TRL can run, and why upstream is missing (None when it is not)."""
@@ -544,6 +632,8 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true",
                         help="ours with and without use_vllm=True (needs vLLM; not the tiny size on a CPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="--vllm: engines without compilation")
+    parser.add_argument("--flops", action="store_true",
+                        help="count each contender's matmul FLOPs per phase of one update instead of timing")
     parser.add_argument("--contenders", default=None,
                         help="comma-separated subset of " + ", ".join(CONTENDERS) + " (default: all but the vLLM ones)")
     args = parser.parse_args()
@@ -584,6 +674,10 @@ def main() -> None:
         if unknown or not chosen:
             parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
         contenders = tuple(c for c in CONTENDERS if c in chosen)
+    if args.flops:
+        for size in sizes:
+            measure_flops(size, args, contenders)
+        return
     ratios = {}
     for size in sizes:
         results, param_counts = measure_size(size, args, contenders)
