@@ -286,10 +286,14 @@ def timed_upstream(trainer, clock: Clock):
 
 @contextmanager
 def timed_update_parts(trainer, clock: Clock):
-    """Time backward, gradient clipping and the optimizer step of either trainer, by shadowing
-    the bound methods on its own ``accelerator`` and ``optimizer`` instances."""
+    """Time backward, gradient clipping (norm included) and the optimizer step of either trainer,
+    by shadowing the bound methods on its own ``accelerator``, ``optimizer`` and (ours'
+    ``_clip_gradients``) trainer instances."""
+    # ours clips (and takes the norm) in _clip_gradients, without accelerate's clip_grad_norm_
+    ours = hasattr(trainer, "_clip_gradients")
+    clip = (trainer, "_clip_gradients") if ours else (trainer.accelerator, "clip_grad_norm_")
     targets = ((trainer.accelerator, "backward", "update.backward"),
-               (trainer.accelerator, "clip_grad_norm_", "update.clip"),
+               (*clip, "update.clip"),
                (trainer.optimizer, "step", "update.step"))
 
     def timed(method, phase):
