@@ -34,15 +34,23 @@ def hand_returns(ids, special, separator, p):
     return per_token, [sum(per_token[k:]) for k in range(len(ids))]
 
 
-@pytest.mark.parametrize("as_reward_model", [True, False])
-def test_a_token_classifier_reward_scores_each_step_on_its_separator(make_trainer, as_reward_model):
+@pytest.mark.parametrize("form", ["reward_model", "model in reward_funcs", "ProcessRewardModel in reward_funcs"])
+def test_a_token_classifier_reward_scores_each_step_on_its_separator(make_trainer, form):
+    """P(good) = 0.75 at every token; gamma = lam = 1, kl_coef = 0, values 0: the return at token
+    k is 0.75 times the number of scored steps at or after k (every separator w0, and a final
+    step without one on the last token), whichever way the PRM is given."""
     tok = build_tiny_tokenizer(["w0", "w1", "w2"])  # w0 = 6, the separator
     prm = constant_prm(tok)
-    given = dict(reward_model=prm) if as_reward_model else dict(reward_model=None, reward_funcs=[prm])
+    wrapped = ProcessRewardModel(prm, tok, step_separator="w0")
+    assert wrapped.text_tokenizer is None  # built here: no path to load from, the ids fit: the id path
+    given = {"reward_model": dict(reward_model=prm),
+             "model in reward_funcs": dict(reward_model=None, reward_funcs=[prm]),
+             "ProcessRewardModel in reward_funcs": dict(reward_model=None, reward_funcs=[wrapped])}[form]
     trainer = make_trainer(tok, **given, step_separator="w0", gamma=1.0, lam=1.0, kl_coef=0.0, whiten_rewards=False,
                            missing_eos_penalty=None, total_episodes=8, response_length=8)
-    assert isinstance(trainer.rewards[0].source, ProcessRewardModel) and trainer.rewards[0].source.model is prm
-    assert (trainer.reward_model is prm) == as_reward_model  # TRL's attribute: the model itself
+    source = trainer.rewards[0].source
+    assert isinstance(source, ProcessRewardModel) and source.model is prm
+    assert (trainer.reward_model is prm) == (form == "reward_model")  # TRL's attribute: the model itself
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
     rollout = replace(rollout, values=torch.zeros_like(rollout.values))
     targets = trainer.compute_advantages(rollout)
@@ -53,9 +61,11 @@ def test_a_token_classifier_reward_scores_each_step_on_its_separator(make_traine
         per_token, suffix = hand_returns(ids, set(tok.all_special_ids), 6, 0.75)
         torch.testing.assert_close(rollout.token_rewards[b, m], torch.tensor(per_token), rtol=0, atol=1e-6)
         torch.testing.assert_close(targets.returns[b, m], torch.tensor(suffix), rtol=0, atol=1e-5)
-    assert separators >= 2 and rollout.scores.eq(0).all()
+    assert separators >= 2 and rollout.scores.eq(0).all()  # seeded: the check above met separators
     trainer.train()
     assert all(not p.requires_grad for p in prm.parameters())  # frozen, as a reward model
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(f"rewards/{trainer.rewards[0].name}/mean" in h for h in logs)
 
 
 def test_a_prm_of_another_vocabulary_takes_its_reward_processing_class(make_trainer):
