@@ -1,7 +1,7 @@
 """A PRMTrainer-style process reward model as a reward function (issue 22): the PRM's input
 built as PRMTrainer builds it, its step scores placed on the separator tokens of the policy's
-completion (same vocabulary: the ids; another vocabulary: through text), and a trainer run whose
-returns at gamma = lam = 1, kl_coef = 0 add up exactly those scores. Expected values by hand."""
+completion (same vocabulary: the ids; another vocabulary: through text). Expected values by hand;
+the trainer runs (returns at gamma = lam = 1, kl_coef = 0) are in test_process_reward_trainer.py."""
 
 from types import SimpleNamespace
 
