@@ -1,7 +1,9 @@
-"""ProcessRewardModel builds the input TRL's PRMTrainer trained on: its ``tokenize_row`` (TRL
-1.12, the last TRL with it, run in /work/venv112 when that interpreter exists) gives the same ids,
-and its labelled positions are where the step scores are read."""
+"""ProcessRewardModel builds the input TRL's PRMTrainer trained on: its ``tokenize_row`` gives the
+same ids, and its labelled positions are where the step scores are read. PRMTrainer is in TRL
+1.12 and earlier (CI's TRL 1.12 environment runs this in process); under a newer TRL the test
+runs it in /work/venv112 when that interpreter exists, else skips."""
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -45,7 +47,23 @@ class RecordingPRM(nn.Module):
         return SimpleNamespace(logits=torch.zeros(*input_ids.shape, 2))
 
 
+def _installed_prm_trainer():
+    try:
+        found = importlib.util.find_spec("trl.experimental.prm") is not None
+    except ModuleNotFoundError:
+        return None
+    if not found:
+        return None
+    from trl.experimental.prm import PRMTrainer
+
+    return PRMTrainer
+
+
 def prm_trainer_rows(tokenizer, rows, separator, tmp_path):
+    prm_trainer = _installed_prm_trainer()
+    if prm_trainer is not None:
+        return [prm_trainer.tokenize_row(row, tokenizer, separator, max_length=None, max_completion_length=None,
+                                         train_on_last_step_only=False, is_eval=False) for row in rows]
     if not TRL112_PYTHON.exists():
         pytest.skip(f"{TRL112_PYTHON} (TRL 1.12, which has PRMTrainer) is not installed")
     tokenizer.save_pretrained(tmp_path / "tok")
