@@ -112,6 +112,14 @@ ARMS = {
     "loss_dr_grpo": Arm({"loss_type": "dr_grpo"}, note="Dr. GRPO's constant normaliser"),
     "recipe": Arm({k: v for o in RECIPE.values() for k, v in o.items()}, note="every recipe element"),
 }
+# VAPO's alpha 0.05 gives lambda = 0 to every response under 20 tokens, and these tasks' responses
+# are 1-10 tokens (synthetic) and ~2 (verifiable: a number and <eos>). SHORT_ALPHA = 2 makes the
+# horizon 1 / (1 - lambda) = 2 L: lambda 0.9 at 5 tokens, 0.95 at 10, 0.75 at 2.
+SHORT_ALPHA = 2.0
+ARMS["length_lam_short"] = Arm({"lam_length_alpha": SHORT_ALPHA},
+                               note="length-adaptive lambda, alpha sized for 1-10 tokens")
+ARMS["recipe_short"] = Arm({**ARMS["recipe"].overrides, "lam_length_alpha": SHORT_ALPHA},
+                           note="every recipe element, the short responses' alpha")
 
 
 def parse_arm(text: str) -> tuple[str, Arm]:

@@ -155,6 +155,18 @@ def test_recipe_arm_is_the_union_of_its_elements(se):
     assert se.ARMS["trl112"].trainer == "trl112" and se.ARMS["defaults"].overrides == {}
 
 
+def test_short_alpha_arms_give_the_lambdas_their_comment_says(se):
+    from trl_ppo_ext.functional import length_adaptive_lam
+
+    assert se.ARMS["length_lam_short"].overrides == {"lam_length_alpha": se.SHORT_ALPHA}
+    assert se.ARMS["recipe_short"].overrides == {**se.ARMS["recipe"].overrides, "lam_length_alpha": se.SHORT_ALPHA}
+    # alpha 2: 1 - 1/(2*2) = 0.75, 1 - 1/(2*5) = 0.9, 1 - 1/(2*10) = 0.95; VAPO's 0.05 gives 0 below 20 tokens
+    mask = torch.tensor([[True] * 2 + [False] * 8, [True] * 5 + [False] * 5, [True] * 10])
+    lam = length_adaptive_lam(mask, se.SHORT_ALPHA, torch.float64)
+    torch.testing.assert_close(lam, torch.tensor([0.75, 0.9, 0.95], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert length_adaptive_lam(mask, se.RECIPE["length_lam"]["lam_length_alpha"]).tolist() == [0.0, 0.0, 0.0]
+
+
 def test_response_after_marker(se):
     # <user> a b <eos> <assistant> x y <eos> <pad> <pad>, marker 5, pad 0
     assert se.response_after_marker([4, 11, 12, 3, 5, 21, 22, 3, 0, 0], marker_id=5, pad_id=0) == [21, 22, 3]
