@@ -129,6 +129,20 @@ def test_rollout_through_an_engine_pushes_once_per_version_and_keeps_its_logprob
     assert greedy.engine_logprobs is None and engine.pushes == [0]
 
 
+@pytest.mark.parametrize("warmup, pushes", [(0, [0, 1, 2, 3]), (2, [0, 3])])
+def test_the_engine_gets_weights_only_when_the_policy_moved(make_trainer, warmup, pushes):
+    """4 updates of one optimizer step each. Without a warm-up every update moves the policy: a push
+    before each rollout, versioned by the global step. With critic_warmup_steps=2 updates 1 and 2
+    train the critic only, so rollouts 2 and 3 reuse version 0; update 3's step makes version 3
+    (the global step it ends at), pushed before rollout 4."""
+    trainer = make_trainer(total_episodes=16, critic_warmup_steps=warmup)
+    engine = ScriptedEngine([7, 8, 9], logprob=-1.0)
+    _with_engine(trainer, engine)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert engine.pushes == pushes
+
+
 def test_training_through_an_engine_logs_the_sampling_keys_and_closes_it(make_trainer):
     trainer = make_trainer(total_episodes=8)  # 2 updates of 4
     engine = ScriptedEngine([7, 8, 9], logprob=-1.0)

@@ -283,6 +283,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
         self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
         self._applied_steps = 0  # optimizer steps taken (not skipped) by this trainer object
+        # the global step the policy's weights are from: advanced by a step that moved the policy (not
+        # a critic warm-up step), set by a resume; a generation engine gets weights when it changes
+        self._policy_version = 0
 
     # ------------------------------------------------------------------ set-up
     def _check_inputs(self, model, ref_model, train_dataset, processing_class) -> None:
@@ -704,6 +707,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             clean_temp_dirs(args.output_dir)
         if path is not None:
             self._load_checkpoint(path)
+        self._policy_version = self.state.global_step  # the weights now in the policy
         self._batches = self._repeat_dataloader()
         self._write_manifest()
         # The pre-PPO starting point stays as last-known-good: never rotated away (resumed runs too).
@@ -808,12 +812,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def sample_with_engine(self, policy, queries, query_mask, temperature: float):
         """``(responses (B, T), engine_logprobs (B, T))`` from the vLLM engine: the policy's
-        weights are pushed first when an update changed them (once per version; under ZeRO-3
+        weights are pushed first when an update changed them (once per version, none during a
+        critic warm-up, which leaves the policy as it was; under ZeRO-3
         inside the caller's gather), request seeds come from the run's global RNG (which
         checkpoints save: a resumed run samples what the unbroken one did)."""
         if self.engine is None:  # closed by an earlier train()
             self.engine = self._build_engine()
-        self.engine.load_policy(policy, self.state.global_step)
+        self.engine.load_policy(policy, self._policy_version)
         settings = SamplingSettings(max_tokens=self.args.response_length,
                                     temperature=effective_temperature(temperature),
                                     stop_token_ids=tuple(self.stop_token_ids))
@@ -1061,6 +1066,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.optimizer.step()
         self.optimizer.zero_grad()
         self._applied_steps += 1
+        if not self._critic_warming:  # the policy moved: the update ending now is its version
+            self._policy_version = self.state.global_step + 1
         self.guards.finite_step()
         return GuardDecision.keep_going({})
 
