@@ -380,3 +380,24 @@ def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(tmp_path, make_
         fresh.train(resume_from_checkpoint=str(ckpt))
     assert not marker.exists(), "loading the checkpoint ran its pickled code"
     assert all(torch.equal(v, _params(fresh)[k]) for k, v in before.items())
+
+
+def test_max_rollout_age_parses_from_the_command_line_none_and_numbers():
+    """`--max_rollout_age None` failed in HfArgumentParser (int('None')), so a script could not
+    spell out its default; the text is now read as None or an int, other text is named."""
+    from transformers import HfArgumentParser
+
+    from trl_ppo_ext import PPOConfig
+
+    parser = HfArgumentParser(PPOConfig)
+    base = ["--output_dir", "unused", "--report_to", "none"]
+    (config,) = parser.parse_args_into_dataclasses(args=base + ["--max_rollout_age", "None"])
+    assert config.max_rollout_age is None
+    (config,) = parser.parse_args_into_dataclasses(args=base + ["--max_rollout_age", "2"])
+    assert config.max_rollout_age == 2 and type(config.max_rollout_age) is int
+    (config,) = parser.parse_args_into_dataclasses(args=base)
+    assert config.max_rollout_age is None
+    with pytest.raises(ValueError, match=r"PPOConfig.max_rollout_age must be an int or None, got 'two'"):
+        parser.parse_args_into_dataclasses(args=base + ["--max_rollout_age", "two"])
+    with pytest.raises(ValueError, match=r"max_rollout_age must be >= 0 or None"):
+        parser.parse_args_into_dataclasses(args=base + ["--max_rollout_age", "-1"])

@@ -179,7 +179,8 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
             "reward model scores each step at its separator's last token, where the score lands in the completion."
         },
     )
-    max_rollout_age: int | None = field(
+    # `| str`: HfArgumentParser then hands over the text, so `--max_rollout_age None` parses
+    max_rollout_age: int | str | None = field(
         default=None,
         metadata={
             "help": "Discard and regenerate rollouts sampled more than this many updates ago (policy lag). "
@@ -312,11 +313,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
             )
 
     def _read_recipe_values(self) -> None:
-        """The critic-recipe fields as the command line gives them (text) made Python values:
-        ``"None"`` -> None, a number's text -> float."""
+        """The critic-recipe fields and ``max_rollout_age`` as the command line gives them (text)
+        made Python values: ``"None"`` -> None, a number's text -> float (int for the age)."""
         for name in RECIPE_OPTIONAL_FLOATS:
             setattr(self, name, optional_number_from_text(getattr(self, name), float, owner="PPOConfig", name=name,
                                                           off="turns it off"))
+        self.max_rollout_age = optional_number_from_text(self.max_rollout_age, int, owner="PPOConfig",
+                                                         name="max_rollout_age", off="sets no limit")
 
     def _check_recipe_fields(self) -> None:
         # `not lo <= x <= hi` is True for nan as well: nan is refused with the rest
