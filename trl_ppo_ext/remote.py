@@ -183,7 +183,8 @@ class RemoteReward:
         if not isinstance(values, list) or len(values) != expected:
             got = f"{len(values)} values" if isinstance(values, list) else repr(values)[:_EXCERPT]
             raise RemoteRewardError(f"Remote reward {self.url} replied with {got} in {self.score_key!r} for "
-                                    f"{expected} completions; it must send one number per completion, in order.")
+                                    f"{expected} completions; it must send one reward (a number, null or a per-token "
+                                    "list) per completion, in order.")
         return [self._entry(v, i) for i, v in enumerate(values)]
 
     def _entry(self, value, i: int):
