@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .rewards import separator_ends
+from .rewards import processing_class_entries, separator_ends
 
 __all__ = ["ProcessRewardModel", "is_token_classifier", "prm_steps_text", "separator_positions", "token_text_ends",
            "with_process_reward_models"]
@@ -274,14 +274,7 @@ def with_process_reward_models(rewards: Sequence, policy_tokenizer, reward_proce
 
     models = [r for r in rewards if r.is_model]
     given = reward_processing_classes
-    entries = [None] * len(models) if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
-    if len(entries) != len(models):
-        raise ValueError(
-            f"reward_processing_classes has {len(entries)} entries but there are {len(models)} reward models "
-            f"{[r.name for r in models]} (reward_model first, then the models in reward_funcs). Give one tokenizer (or "
-            "None) per reward model."
-        )
-    by_model = dict(zip((id(r) for r in models), entries))
+    by_model = dict(zip((id(r) for r in models), processing_class_entries(rewards, given)))
     out, remaining = [], []
     for r in rewards:
         if r.is_model and is_token_classifier(r.source):

@@ -45,7 +45,8 @@ from .remote import RemoteReward, RemoteRewardError, remote_reward
 
 __all__ = [
     "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs", "combine_scores",
-    "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level", "process_rewards", "remote_reward",
+    "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level", "process_rewards",
+    "processing_class_entries", "remote_reward",
     "reward_name", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
 ]
 
@@ -140,24 +141,30 @@ def with_reward_tokenizers(rewards: Sequence[Reward], policy_tokenizer, reward_p
     """
     from .reward_text import resolve_reward_tokenizer
 
+    tokenizers = iter(processing_class_entries(rewards, reward_processing_classes))
+    return [
+        replace(r, tokenizer=resolve_reward_tokenizer(r.source, policy_tokenizer, next(tokenizers),
+                                                      where=f"reward model {r.name!r}")) if r.is_model else r
+        for r in rewards
+    ]
+
+
+def processing_class_entries(rewards: Sequence[Reward], reward_processing_classes=None) -> list:
+    """GRPO's ``reward_processing_classes`` as one entry per reward *model* of ``rewards``, in
+    order: None -> all None, a single tokenizer -> a list of one. Raises ``ValueError`` naming the
+    models when the count differs."""
     models = [r for r in rewards if r.is_model]
     given = reward_processing_classes
     if given is None:
-        given = [None] * len(models)
-    elif not isinstance(given, (list, tuple)):
-        given = [given]
+        return [None] * len(models)
+    given = list(given) if isinstance(given, (list, tuple)) else [given]
     if len(given) != len(models):
         raise ValueError(
             f"reward_processing_classes has {len(given)} entries but there are {len(models)} reward models "
             f"{[r.name for r in models]} (reward_model first, then the models in reward_funcs). Give one tokenizer (or "
             "None) per reward model."
         )
-    tokenizers = iter(given)
-    return [
-        replace(r, tokenizer=resolve_reward_tokenizer(r.source, policy_tokenizer, next(tokenizers),
-                                                      where=f"reward model {r.name!r}")) if r.is_model else r
-        for r in rewards
-    ]
+    return given
 
 
 def _unique_names(sources) -> list[str]:
