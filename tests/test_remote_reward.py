@@ -20,7 +20,8 @@ class RewardServer:
     """A reward service on a free port of 127.0.0.1. Each request takes the next action of
     ``script`` (then ``"ok"`` for ever): ``ok`` answers one reward per query (the number of words
     in it), ``slow`` answers only after ``release`` is set (or 2 s), ``500``/``400`` answer that status,
-    ``not_json``/``no_key``/``short``/``text`` answer a malformed 200, ``drop`` closes the connection
+    ``not_json``/``no_key``/``short``/``text`` answer a malformed 200, ``extras`` adds
+    OpenRLHF's ``extra_logs`` (the word counts, a number, and two entries of wrong shapes), ``drop`` closes the connection
     without a reply, ``cut`` sends half a body and closes. ``requests`` records every decoded
     request body, in arrival order."""
 
@@ -63,6 +64,9 @@ class RewardServer:
             "no_key": {"scores": self.rewards(payload)},
             "short": {"rewards": self.rewards(payload)[:-1]},
             "text": {"rewards": ["high"] * len(payload["query"])},
+            "extras": {"rewards": self.rewards(payload),
+                       "extra_logs": {"words": self.rewards(payload), "version": 3, "bad": "x",
+                                      "short": self.rewards(payload)[:-1]}},
         }.get(action)
         status = int(action) if action.isdigit() else 200
         raw = b"<html>oops" if action == "not_json" else json.dumps(body or {"error": "boom"}).encode()
@@ -238,6 +242,18 @@ def test_missing_and_unserializable_columns_are_named():
     fn = remote_reward("http://127.0.0.1:1/x", columns=["blob"], max_retries=0)
     with pytest.raises(ValueError, match="not JSON-serializable"):
         call(fn, ["p"], ["c"], blob=[object()])
+
+
+def test_extra_logs_reach_log_metric_as_means_over_the_completions(server, caplog):
+    server.script = ["extras"] * 3
+    fn = remote_reward(server.url, batch_size=2, name="judge", **FAST)  # 3 requests: 2 + 2 + 1 completions
+    logged = []
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.remote"):
+        assert call(fn, PROMPTS, COMPLETIONS, log_metric=lambda n, v: logged.append((n, v))) == EXPECTED
+    # per completion (3, 3, 4, 4, 3 words): their mean; one number per reply: counted once per reply
+    assert sorted(logged) == [("rewards/judge/version", 3.0), ("rewards/judge/words", sum(EXPECTED) / 5)]
+    assert "extra_logs['bad']" in caplog.text and "extra_logs['short']" in caplog.text
+    assert call(fn, PROMPTS, COMPLETIONS) == EXPECTED  # without a log_metric (called by hand): rewards only
 
 
 # ---------------------------------------------------------------- in the trainer

@@ -15,8 +15,11 @@ Request: one ``POST`` of JSON per batch of at most ``batch_size`` completions, i
 Reply: JSON with ``"rewards"`` (``score_key``): one entry per completion of the request, in
 its order: a number; JSON ``null`` ("does not apply", a reward function's None); or per-token
 rewards (issue 22), a list of numbers (one per completion token) or of ``[token_index, number]``
-pairs, placed by the trainer as a reward function's lists (``rewards.token_rewards``). Other
-keys (OpenRLHF's ``"scores"``, ``"extra_logs"``) are ignored.
+pairs, placed by the trainer as a reward function's lists (``rewards.token_rewards``).
+OpenRLHF's ``"extra_logs"`` (``{name: one number per completion, or one number}``) are
+logged through the trainer's ``log_metric`` (TRL GRPO's) as ``rewards/<name of this
+function>/<name>``: the mean over the call's completions. An entry of another shape is
+skipped with a warning (it is not a reward). Other keys (``"scores"``) are ignored.
 
 Failures: a timeout, a refused or dropped connection, or HTTP 408/429/5xx is retried up to
 ``max_retries`` times, waiting ``backoff * 2**k`` seconds (at most ``max_backoff``) before
@@ -31,8 +34,10 @@ import asyncio
 import http.client
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
@@ -81,8 +86,10 @@ class RemoteReward:
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, name={self.__name__!r})"
 
-    async def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float | list | None]:
-        """Rewards for ``completions`` (GRPO's convention), one per completion, in order."""
+    async def __call__(self, prompts, completions, completion_ids=None, log_metric=None,
+                       **columns) -> list[float | list | None]:
+        """Rewards for ``completions`` (GRPO's convention), one per completion, in order; the
+        replies' ``extra_logs`` go to ``log_metric`` when the trainer passes one."""
         payloads = self.payloads(prompts, completions, completion_ids, columns)
         limit = asyncio.Semaphore(self.max_concurrent_requests)
 
@@ -91,7 +98,10 @@ class RemoteReward:
                 return await self._post_with_retries(payload)
 
         replies = await asyncio.gather(*(post(p) for p in payloads))
-        return [reward for reply in replies for reward in reply]
+        if log_metric is not None:
+            for name, mean in _mean_extra_logs(replies).items():
+                log_metric(f"rewards/{self.__name__}/{name}", mean)
+        return [reward for reply in replies for reward in reply.rewards]
 
     # ------------------------------------------------------------ the request
     def payloads(self, prompts, completions, completion_ids=None, columns: dict | None = None) -> list[dict]:
@@ -105,7 +115,7 @@ class RemoteReward:
         if missing:
             raise ValueError(
                 f"remote_reward({self.url}): dataset column(s) {missing} (label_key/columns) are not in the batch; "
-                f"its columns are {sorted(k for k in columns if k != 'trainer_state')}."
+                f"its columns are {sorted(k for k in columns if k not in ('trainer_state', 'log_extra'))}."
             )
         prompt_texts = [self._prompt_text(p) for p in prompts]
         completion_texts = [_completion_text(c) for c in completions]
@@ -134,7 +144,7 @@ class RemoteReward:
         return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
     # ------------------------------------------------------------ the reply
-    async def _post_with_retries(self, payload: dict) -> list[float | list | None]:
+    async def _post_with_retries(self, payload: dict) -> Reply:
         try:
             body = json.dumps(payload).encode()
         except (TypeError, ValueError) as err:
@@ -162,7 +172,7 @@ class RemoteReward:
             if not 200 <= status < 300:
                 raise RemoteRewardError(f"Remote reward {self.url} answered HTTP {status} {reason}: {_excerpt(reply)} "
                                         "(not retried: the request itself was refused).")
-            return self.parse_reply(reply, len(payload["query"]))
+            return self.read_reply(reply, len(payload["query"]))
         raise RemoteRewardError(
             f"Remote reward {self.url} failed {self.max_retries + 1} times (max_retries={self.max_retries}); last: "
             f"{last}. Check the service, or raise `timeout`/`max_retries`."
@@ -170,6 +180,10 @@ class RemoteReward:
 
     def parse_reply(self, reply: bytes, expected: int) -> list[float | list | None]:
         """The rewards of one reply, or a :class:`RemoteRewardError` naming the URL and the problem."""
+        return self.read_reply(reply, expected).rewards
+
+    def read_reply(self, reply: bytes, expected: int) -> Reply:
+        """One reply's rewards (see :meth:`parse_reply`) and its readable ``extra_logs``."""
         try:
             data = json.loads(reply)
         except ValueError:
@@ -185,7 +199,28 @@ class RemoteReward:
             raise RemoteRewardError(f"Remote reward {self.url} replied with {got} in {self.score_key!r} for "
                                     f"{expected} completions; it must send one reward (a number, null or a per-token "
                                     "list) per completion, in order.")
-        return [self._entry(v, i) for i, v in enumerate(values)]
+        return Reply([self._entry(v, i) for i, v in enumerate(values)], self._extra_logs(data, expected))
+
+    def _extra_logs(self, data: dict, expected: int) -> dict[str, tuple[float, int]]:
+        """``{name: (sum, count)}`` of the reply's ``extra_logs``: per name one number per
+        completion, or one number (counted once). Other shapes are skipped with a warning."""
+        logs = data.get("extra_logs")
+        if logs is None:
+            return {}
+        if not isinstance(logs, dict):
+            logger.warning("Remote reward %s: extra_logs is %s, not an object; not logged.", self.url,
+                           type(logs).__name__)
+            return {}
+        out = {}
+        for name, value in logs.items():
+            if _is_json_number(value):
+                out[name] = (float(value), 1)
+            elif isinstance(value, list) and len(value) == expected and all(map(_is_json_number, value)):
+                out[name] = (math.fsum(float(v) for v in value), expected)
+            else:
+                logger.warning("Remote reward %s: extra_logs[%r] is not one number per completion (%d) nor one "
+                               "number; not logged.", self.url, name, expected)
+        return out
 
     def _entry(self, value, i: int):
         """One completion's reward: None, a float, a list of floats (dense per-token) or of
@@ -203,6 +238,24 @@ class RemoteReward:
             "number (or null where it does not apply), or per-token rewards: a list of numbers, one per token, or "
             "of [token_index, number] pairs."
         )
+
+
+class Reply(NamedTuple):
+    """One reply: ``rewards`` (one entry per completion) and ``extra_logs`` as ``{name: (sum, count)}``."""
+
+    rewards: list
+    extra_logs: dict
+
+
+def _mean_extra_logs(replies: Sequence[Reply]) -> dict[str, float]:
+    """Each ``extra_logs`` name's mean over the completions of every reply that sent it."""
+    sums: dict[str, list[float]] = {}
+    for reply in replies:
+        for name, (total, count) in reply.extra_logs.items():
+            acc = sums.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += count
+    return {name: total / count for name, (total, count) in sums.items()}
 
 
 def _is_json_number(value) -> bool:

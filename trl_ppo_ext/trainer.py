@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import TrainerControl, TrainerState
@@ -80,6 +80,7 @@ from .modeling import (
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
+from .reward_logs import RewardLogs
 from .process_reward import ProcessRewardModel, with_process_reward_models
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 from .reward_text import completion_texts, reward_texts, score_texts
@@ -195,6 +196,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._check_reward_heads(reward_model)
         # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
         self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
+        # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
+        self.reward_logs = RewardLogs()
         self.stop_token_id = self._resolve_stop_token(args, processing_class)
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -919,7 +922,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: v for k, v in extras.items() if k not in ("prompt", "completion", "completion_ids")}
         return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                "trainer_state": self.state, **columns}
+                "trainer_state": self.state, **columns, **self.reward_logs.kwargs()}
 
     def _frozen_on_device(self, model, offloaded: bool):
         """Bring an offloaded frozen model to the training device for one block."""
@@ -1154,10 +1157,23 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             correction=self.args.vllm_importance_sampling_correction, mode=self.args.vllm_importance_sampling_mode,
             clip_min=self.args.vllm_importance_sampling_clip_min, clip_max=self.args.vllm_importance_sampling_clip_max,
         ))
+        metrics.update(self._take_reward_logs())
         metrics["policy/lag"] = float(self.counters.rollout_age)
         metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
         metrics["train/nonfinite_steps"] = float(self.counters.nonfinite_steps)
         return metrics
+
+    def _take_reward_logs(self) -> dict[str, float]:
+        """What reward functions passed to ``log_metric`` since the last call, each name the mean
+        over every process (``reward_logs``); their ``log_extra`` columns are dropped (no table
+        of training completions)."""
+        self.reward_logs.clear_columns()
+        return self.reward_logs.take_metrics(gather_object, self._sum_over_processes)
+
+    def _sum_over_processes(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(n, k)`` rows summed over the processes (every process calls it with the same n)."""
+        gathered = self.accelerator.gather(rows.to(self.accelerator.device))
+        return gathered.reshape(-1, *rows.shape).sum(0).cpu()
 
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
         """``rewards/<name>/mean`` and ``/std`` (see ``metrics.reward_statistics``); none for a
@@ -1222,14 +1238,27 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """
         tok = self.processing_class
         columns = defaultdict(list)  # name -> per-batch (b,) tensors, gathered over processes
-        with ckpt.isolated_rng(seed=self.args.seed):
+        with ckpt.isolated_rng(seed=self.args.seed), self._own_reward_logs() as logs:
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
                 row = evaluation_row(r, self.rewards, self.args.kl_estimator)
                 row.update(user_metric_rows(self.eval_metrics, tok, r))
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
-        return {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
+            logs.clear_columns()
+            logged = logs.take_metrics(gather_object, self._sum_over_processes)
+        metrics = {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
+        return {**metrics, **{f"eval/{name}": value for name, value in logged.items()}}
+
+    @contextmanager
+    def _own_reward_logs(self):
+        """Reward functions log into a fresh ``RewardLogs`` inside the block (evaluation, the
+        completions table): what they report there stays out of the training metrics."""
+        training, self.reward_logs = self.reward_logs, RewardLogs()
+        try:
+            yield self.reward_logs
+        finally:
+            self.reward_logs = training
 
     # ------------------------------------------------------------------ outputs
     @torch.no_grad()
@@ -1253,20 +1282,28 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
         tok = self.processing_class
         table = defaultdict(list)
-        for batch in self.eval_dataloader:
-            rollout = self.generate_rollout(batch, temperature=0.01)  # near-greedy, as TRL
-            scores = self.score_rewards(rollout)[0]
-            texts = tok.batch_decode(valid_token_ids(rollout)[1])
-            # One gather rule for all three columns (gather_object alone kept accelerate's
-            # padding duplicates that gather_for_metrics drops: columns of unequal length).
-            gather = self.accelerator.gather_for_metrics
-            queries = tok.batch_decode(rollout.queries, skip_special_tokens=True)
-            table["query"].extend(gather(queries, use_gather_object=True))
-            table["model response"].extend(gather(texts, use_gather_object=True))
-            table["score"].extend(gather(scores).float().cpu().tolist())
-            if sampling:
-                break
-        return pd.DataFrame(table)
+        with self._own_reward_logs() as logs:
+            for batch in self.eval_dataloader:
+                rollout = self.generate_rollout(batch, temperature=0.01)  # near-greedy, as TRL
+                scores = self.score_rewards(rollout)[0]
+                texts = tok.batch_decode(valid_token_ids(rollout)[1])
+                # One gather rule for every column (gather_object alone kept accelerate's
+                # padding duplicates that gather_for_metrics drops: columns of unequal length).
+                gather = self.accelerator.gather_for_metrics
+                queries = tok.batch_decode(rollout.queries, skip_special_tokens=True)
+                start = len(table["query"])
+                table["query"].extend(gather(queries, use_gather_object=True))
+                table["model response"].extend(gather(texts, use_gather_object=True))
+                table["score"].extend(gather(scores).float().cpu().tolist())
+                # the batch's log_extra columns (reward_logs); None where a column has no value
+                extra = logs.take_columns(len(texts), reserved=("query", "model response", "score"))
+                for column in sorted(set(gather_object(sorted(extra)))):
+                    table[column].extend([None] * (start - len(table[column])))
+                    table[column].extend(gather(list(extra.get(column, [None] * len(texts))), use_gather_object=True))
+                if sampling:
+                    break
+        rows = len(table["query"])
+        return pd.DataFrame({k: v + [None] * (rows - len(v)) for k, v in table.items()})
 
     def _show_completions(self, df) -> None:
         show_completions(df, self.args.report_to)
