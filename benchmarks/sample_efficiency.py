@@ -87,12 +87,16 @@ LOGGED = {
 # ------------------------------------------------------------------------------------ arms
 @dataclass(frozen=True)
 class Arm:
-    """A way to train: PPOConfig overrides, the trainer ("ours" or "trl112"), the reward variant."""
+    """A way to train: PPOConfig overrides, the trainer ("ours" or "trl112"), the reward variant, and
+    for ours the critic: the shared LoRA actor-critic of the examples, or a separate value model
+    built as the ``trl112`` arm's (TRL's example script: the reward model, or the SFT checkpoint
+    with a fresh head) beside a LoRA policy."""
 
     overrides: dict = field(default_factory=dict)
     trainer: str = "ours"
     reward: str = "default"
     note: str = ""
+    critic: str = "shared"  # ours: "shared" (value head on the policy's LoRA backbone) or "separate" (TRL's)
 
 
 # The recipe's values: VC-PPO/VAPO (2503.01491, 2504.05118), DAPO's clip-higher (2503.14476),
@@ -137,7 +141,7 @@ def parse_arm(text: str) -> tuple[str, Arm]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        (extra if key in ("reward", "trainer") else overrides)[key.strip()] = value
+        (extra if key in ("reward", "trainer", "critic") else overrides)[key.strip()] = value
     return name, Arm(overrides, note="from --arm", **extra)
 
 
@@ -174,7 +178,33 @@ TASKS = {
     "synthetic": TaskSpec(episodes=1024, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32,
                           rewards=("default", "process", "process_prefix", "final", "other_vocab")),
     "verifiable": TaskSpec(episodes=4096, hidden_size=32, reward_name="accuracy", batch_size=64),
+    "long": TaskSpec(episodes=1024, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32),
 }
+# The long task: the synthetic task's words and prompts, responses of up to LONG_RESPONSE_LENGTH
+# tokens, one reward at the end that only a long answer earns (see long_task_reward).
+LONG_RESPONSE_LENGTH = 32
+LONG_TARGET_WORDS = 24
+
+
+def long_task_reward(task, response, target_words: int = LONG_TARGET_WORDS) -> float:
+    """The long task's rule: ``min(nice words, target_words) / target_words``, plus the synthetic
+    task's ``stop_bonus`` for an ``<eos>`` after at least ``target_words`` words. 0 .. 1 + bonus.
+
+    A response earns its reward only at its end, and the best ones are ``target_words`` or more
+    nice words then ``<eos>``: every token's credit has to travel back up to ~30 positions (lambda
+    0.95 keeps 0.95^24 = 0.29 of it), the setting the critic recipe was made for (VC-PPO, VAPO).
+
+    >>> from synthetic_task import build_task
+    >>> task = build_task(0)
+    >>> long_task_reward(task, "kind " * 12, target_words=24)
+    0.5
+    >>> long_task_reward(task, "kind " * 3 + "rude <eos>", target_words=3)
+    1.5
+    """
+    words, stopped = task.answer_words(response)
+    nice = set(task.nice_words)
+    count = sum(w in nice for w in words)
+    return min(count, target_words) / target_words + (task.stop_bonus if stopped and len(words) >= target_words else 0.0)
 
 
 def _examples_on_path() -> None:
@@ -202,7 +232,14 @@ def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> Non
     torch.set_num_threads(1)
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if task_name == "synthetic":
+    if task_name == "long":  # the initial policy, so that every trainer starts from the same weights
+        from synthetic_task import build_task
+
+        from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+        build_tiny_causal_lm(build_task(seed).tokenizer, seed=seed, hidden_size=hidden_size).save_pretrained(tmp / "policy")
+        info = {}
+    elif task_name == "synthetic":
         from ppo_lora import DEMO_DEFAULTS, ScriptArguments
         from synthetic_task import build_task, make_preference_pairs, train_reward_model
 
@@ -407,6 +444,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     variants = TASKS[task_name].rewards
     if arm.reward not in variants:
         raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has {', '.join(map(repr, variants))}.")
+    if arm.critic not in ("shared", "separate") or (arm.critic == "separate" and arm.trainer == "trl112"):
+        raise ValueError(f"critic={arm.critic!r}: this package's arms take 'shared' or 'separate'; the trl112 arm "
+                         "always has TRL's separate value model.")
     if arm.reward != "default" and arm.trainer == "trl112":
         raise ValueError(f"reward variant {arm.reward!r} needs this package's trainer; TRL 1.12's takes one reward "
                          "model of the policy's vocabulary.")
@@ -453,6 +493,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
             models.update(model=policy, ref_model=None, value_model=value, peft_config=lora,
                           train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
+        elif arm.critic == "separate":
+            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
+            models.update(model=policy, ref_model=None, value_model=value, peft_config=lora)
         else:
             models.update(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
         if arm.reward != "default":  # issue 22's variants: the true reward read from the policy's own ids
@@ -472,6 +515,47 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             models.update(reward_model=AutoModelForSequenceClassification.from_pretrained(path).eval(),
                           reward_processing_classes=[AutoTokenizer.from_pretrained(path)],
                           reward_funcs=[synthetic_reward_function(task, "measure", seen)])
+    elif task_name == "long":
+        from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
+        from synthetic_task import build_task
+
+        task = build_task(seed)
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        ppo = {k: v for k, v in DEMO_DEFAULTS.items() if k in names}
+        config = config_cls(**{**ppo, **common, "response_length": LONG_RESPONSE_LENGTH, **arm.overrides})
+        policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
+        prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
+                                       response_length=config.response_length,
+                                       max_length=policy.config.max_position_embeddings)
+        lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
+                          target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+        marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
+        seen: list[float] = []
+        if arm.trainer == "trl112" or arm.critic == "separate":  # TRL's example: a value model with a fresh head
+            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "policy", num_labels=1)
+            models = dict(model=policy, ref_model=None, value_model=value, peft_config=lora)
+        else:
+            models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+        if arm.trainer == "trl112":
+            def rule(ids):
+                value = long_task_reward(task, response_after_marker(ids, marker, pad))
+                seen.append(value)
+                return value
+
+            models.update(reward_model=_rule_reward_model_class()(rule),
+                          train_dataset=prompts.select_columns(["input_ids"]))
+        else:
+            def long_reward(completion_ids, **kwargs):
+                values = [long_task_reward(task, [int(t) for t in c]) for c in completion_ids]
+                seen.extend(values)
+                return values
+
+            models.update(reward_model=None, reward_funcs=[long_reward], train_dataset=prompts)
+
+        def batch_reward(logs):
+            values = seen[:]
+            seen.clear()
+            return (sum(values) / len(values) if values else None), len(values)
     else:
         from ppo_verifiable import PPO_DEFAULTS, TaskArguments, ppo_prompts, reward_functions
         from verifiable_task import build_task, split_pairs
@@ -502,8 +586,12 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                 values = [rule(r)[1] for r in rows]
                 return (sum(values) / len(values) if values else None), len(values)
         else:
-            models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None,
-                          reward_model=None, reward_funcs=reward_functions(task, config, task_args),
+            if arm.critic == "separate":
+                value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
+                models = dict(model=policy, ref_model=None, value_model=value, peft_config=lora)
+            else:
+                models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+            models.update(reward_model=None, reward_funcs=reward_functions(task, config, task_args),
                           train_dataset=prompts)
 
             def batch_reward(logs):
