@@ -212,3 +212,30 @@ def test_rule_reward_model_reads_like_a_reward_model(se):
     logits = model.score(out.hidden_states[-1])
     assert logits.shape == (2, 3, 1)
     assert torch.equal(logits[..., 0], torch.tensor([[6.0, 6.0, 6.0], [4.0, 4.0, 4.0]]))
+
+
+def test_long_task_reward_by_hand(se):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from synthetic_task import build_task
+
+    task = build_task(0)
+    tok = task.tokenizer
+    eos = tok.eos_token
+    ids = lambda words: tok.convert_tokens_to_ids(words)  # noqa: E731
+    # 3 nice of 4 words, no <eos>: 3 / 4 of the target 4, no bonus
+    assert se.long_task_reward(task, ids(["kind", "rude", "calm", "wise"]), target_words=4) == 0.75
+    # 5 nice words then <eos>: capped at 1, and the bonus (5 >= 4 words)
+    assert se.long_task_reward(task, ids(["kind"] * 5 + [eos]), target_words=4) == 1.0 + task.stop_bonus
+    # stopping before the target earns no bonus: 2 nice words of a target of 4
+    assert se.long_task_reward(task, ids(["kind", "calm", eos]), target_words=4) == 0.5
+    # what follows the <eos> does not count
+    assert se.long_task_reward(task, ids([eos, "kind", "kind"]), target_words=1) == 0.0
+
+
+def test_critic_arms_parse_and_bad_ones_are_refused(se):
+    name, arm = se.parse_arm("sep:critic=separate,value_lam=1.0")
+    assert (name, arm.critic, arm.overrides) == ("sep", "separate", {"value_lam": 1.0})
+    assert se.ARMS["defaults"].critic == "shared"
+    for bad in (se.Arm(critic="sideways"), se.Arm(critic="separate", trainer="trl112")):
+        with pytest.raises(ValueError, match="critic="):
+            se.run_one("long", bad, 0, model_dir=Path("unused"), episodes=1, hidden_size=8, out=Path("unused"))
