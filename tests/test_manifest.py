@@ -133,6 +133,37 @@ def test_adapters_of_a_peft_lora_model(lm):
     assert strict_json(identity) == identity
 
 
+def test_adapters_injected_into_a_transformers_model_are_listed(tokenizer, tmp_path):
+    """A transformers model carrying LoRA layers without a PeftModel around it (peft's
+    inject_adapter_in_model; transformers' add_adapter is the same mixin) has ``active_adapters``
+    as a method that raises: the manifest crashed the trainer's start with "'method' object is
+    not iterable". Found with a LoRA-trained separate critic in the sample-efficiency benchmark."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from trl_ppo_ext import PPOConfig, PPOTrainer
+
+    value = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]),
+                                    build_tiny_scorer(tokenizer, seed=1))
+    for name, param in value.named_parameters():
+        param.requires_grad_("lora_" in name or name.startswith("score."))
+    expected = [{"name": "default", "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                 "modules_to_save": None, "active": True}]
+    assert model_identity(value, "value")["adapters"] == expected
+    prompts = [{"input_ids": tokenizer(t)["input_ids"]} for t in ("a b", "c d e", "f", "g h")]
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=4, response_length=3,
+                     num_ppo_epochs=1, num_mini_batches=1, report_to=[], disable_tqdm=True, save_strategy="no",
+                     num_sample_generations=0, bf16=False)
+    before = {n: p.detach().clone() for n, p in value.named_parameters()}
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=build_tiny_causal_lm(tokenizer, seed=0),
+                         ref_model=None, reward_model=build_tiny_scorer(tokenizer, seed=2), value_model=value,
+                         train_dataset=prompts)
+    trainer.train()
+    manifest = json.loads((tmp_path / "run_manifest.json").read_text())
+    assert manifest["models"]["value"]["adapters"] == expected
+    moved = {n for n, p in value.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n or n.startswith("score.") for n in moved)  # only the adapter and head trained
+
+
 def test_quantization_from_the_config(lm):
     lm.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True,
                                      "bnb_4bit_compute_dtype": torch.bfloat16}

@@ -184,8 +184,7 @@ def _adapters(model: nn.Module) -> list[dict]:
             break
     else:
         return []
-    active = getattr(module, "active_adapters", None) or [getattr(module, "active_adapter", None)]
-    active = [active] if isinstance(active, str) else list(active)
+    active = _active_adapters(module)
     return [
         {
             "name": name,
@@ -198,6 +197,27 @@ def _adapters(model: nn.Module) -> list[dict]:
         }
         for name, cfg in configs.items()
     ]
+
+
+def _active_adapters(module: nn.Module) -> list[str]:
+    """The active adapter names of a module carrying ``peft_config``: a ``PeftModel``'s properties,
+    transformers' ``PeftAdapterMixin`` methods (``model.add_adapter``/``load_adapter``; they raise
+    when the adapters were injected without it), else the names its LoRA layers have active."""
+    for attr in ("active_adapters", "active_adapter"):
+        value = getattr(module, attr, None)
+        if callable(value):
+            try:
+                value = value()
+            except (ValueError, RuntimeError):  # "no adapter loaded" from the mixin
+                value = None
+        if value:
+            return [value] if isinstance(value, str) else list(value)
+    names = set()
+    for layer in module.modules():
+        if layer is not module and hasattr(layer, "active_adapters") and hasattr(layer, "merged"):  # peft tuner layers
+            value = layer.active_adapters
+            names.update([value] if isinstance(value, str) else value)
+    return sorted(names)
 
 
 def model_identity(
