@@ -90,13 +90,16 @@ class Arm:
     """A way to train: PPOConfig overrides, the trainer ("ours" or "trl112"), the reward variant, and
     for ours the critic: the shared LoRA actor-critic of the examples, or a separate value model
     built as the ``trl112`` arm's (TRL's example script: the reward model, or the SFT checkpoint
-    with a fresh head) beside a LoRA policy."""
+    with a fresh head) beside a LoRA policy, trained whole (``separate``) or as a LoRA adapter
+    and its head on a frozen base (``lora``: how a critic adapter of its own would learn)."""
 
     overrides: dict = field(default_factory=dict)
     trainer: str = "ours"
     reward: str = "default"
     note: str = ""
-    critic: str = "shared"  # ours: "shared" (value head on the policy's LoRA backbone) or "separate" (TRL's)
+    # ours: "shared" (value head on the policy's LoRA backbone), "separate" (TRL's value model, every
+    # weight trained) or "lora" (that value model trained as a LoRA adapter + head on its frozen base)
+    critic: str = "shared"
 
 
 # The recipe's values: VC-PPO/VAPO (2503.01491, 2504.05118), DAPO's clip-higher (2503.14476),
@@ -430,6 +433,25 @@ def verifiable_rule(task, *, weights: tuple[float, float, float], response_lengt
     return rule
 
 
+CRITICS = ("shared", "separate", "lora")
+
+
+def critic_as(critic: str, value, lora):
+    """The value model of a ``separate`` arm as it is, or of a ``lora`` arm with ``lora``'s adapter
+    injected (peft, in place: the trainer sees a plain transformers model) and every weight but
+    the adapter's and the ``score`` head's frozen (the optimizer takes what requires grad)."""
+    if critic != "lora":
+        return value
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = [t for t in lora.target_modules if t != "lm_head"]  # a sequence classifier has none
+    value = inject_adapter_in_model(LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
+                                               target_modules=targets), value)
+    for name, param in value.named_parameters():
+        param.requires_grad_("lora_" in name or name.startswith("score."))
+    return value
+
+
 def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: int, hidden_size: int,
             out: Path) -> int:
     """Train one (arm, seed); write a row per update to ``out`` (``.partial`` until done). Returns the updates."""
@@ -444,9 +466,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     variants = TASKS[task_name].rewards
     if arm.reward not in variants:
         raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has {', '.join(map(repr, variants))}.")
-    if arm.critic not in ("shared", "separate") or (arm.critic == "separate" and arm.trainer == "trl112"):
-        raise ValueError(f"critic={arm.critic!r}: this package's arms take 'shared' or 'separate'; the trl112 arm "
-                         "always has TRL's separate value model.")
+    if arm.critic not in CRITICS or (arm.critic != "shared" and arm.trainer == "trl112"):
+        raise ValueError(f"critic={arm.critic!r}: this package's arms take {', '.join(map(repr, CRITICS))}; the "
+                         "trl112 arm always has TRL's separate value model.")
     if arm.reward != "default" and arm.trainer == "trl112":
         raise ValueError(f"reward variant {arm.reward!r} needs this package's trainer; TRL 1.12's takes one reward "
                          "model of the policy's vocabulary.")
@@ -493,9 +515,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
             models.update(model=policy, ref_model=None, value_model=value, peft_config=lora,
                           train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
-        elif arm.critic == "separate":
+        elif arm.critic != "shared":
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
-            models.update(model=policy, ref_model=None, value_model=value, peft_config=lora)
+            models.update(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora), peft_config=lora)
         else:
             models.update(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
         if arm.reward != "default":  # issue 22's variants: the true reward read from the policy's own ids
@@ -531,9 +553,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                           target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
         marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
         seen: list[float] = []
-        if arm.trainer == "trl112" or arm.critic == "separate":  # TRL's example: a value model with a fresh head
+        if arm.trainer == "trl112" or arm.critic != "shared":  # TRL's example: a value model with a fresh head
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "policy", num_labels=1)
-            models = dict(model=policy, ref_model=None, value_model=value, peft_config=lora)
+            models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora), peft_config=lora)
         else:
             models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
         if arm.trainer == "trl112":
@@ -586,9 +608,10 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                 values = [rule(r)[1] for r in rows]
                 return (sum(values) / len(values) if values else None), len(values)
         else:
-            if arm.critic == "separate":
+            if arm.critic != "shared":
                 value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
-                models = dict(model=policy, ref_model=None, value_model=value, peft_config=lora)
+                models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
+                              peft_config=lora)
             else:
                 models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
             models.update(reward_model=None, reward_funcs=reward_functions(task, config, task_args),
