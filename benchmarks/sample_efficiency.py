@@ -97,8 +97,9 @@ class Arm:
     trainer: str = "ours"
     reward: str = "default"
     note: str = ""
-    # ours: "shared" (value head on the policy's LoRA backbone), "separate" (TRL's value model, every
-    # weight trained) or "lora" (that value model trained as a LoRA adapter + head on its frozen base)
+    # ours: "shared" (value head on the policy's LoRA backbone), "value_lora" (the shared actor-critic
+    # with its own value adapter, SharedActorCritic(value_lora_config=...)), "separate" (TRL's value
+    # model, every weight trained) or "lora" (that value model trained as a LoRA adapter + head)
     critic: str = "shared"
 
 
@@ -207,7 +208,8 @@ def long_task_reward(task, response, target_words: int = LONG_TARGET_WORDS) -> f
     words, stopped = task.answer_words(response)
     nice = set(task.nice_words)
     count = sum(w in nice for w in words)
-    return min(count, target_words) / target_words + (task.stop_bonus if stopped and len(words) >= target_words else 0.0)
+    bonus = task.stop_bonus if stopped and len(words) >= target_words else 0.0
+    return min(count, target_words) / target_words + bonus
 
 
 def _examples_on_path() -> None:
@@ -240,7 +242,8 @@ def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> Non
 
         from trl_ppo_ext.tiny import build_tiny_causal_lm
 
-        build_tiny_causal_lm(build_task(seed).tokenizer, seed=seed, hidden_size=hidden_size).save_pretrained(tmp / "policy")
+        policy = build_tiny_causal_lm(build_task(seed).tokenizer, seed=seed, hidden_size=hidden_size)
+        policy.save_pretrained(tmp / "policy")
         info = {}
     elif task_name == "synthetic":
         from ppo_lora import DEMO_DEFAULTS, ScriptArguments
@@ -433,14 +436,28 @@ def verifiable_rule(task, *, weights: tuple[float, float, float], response_lengt
     return rule
 
 
-CRITICS = ("shared", "separate", "lora")
+CRITICS = ("shared", "value_lora", "separate", "lora")
+
+
+def shared_actor_critic(critic: str, policy, lora):
+    """The examples' shared LoRA actor-critic; with ``critic="value_lora"`` the critic gets its own
+    adapter of ``lora``'s rank and targets (the LM head excepted) on the same base."""
+    from peft import LoraConfig
+
+    from trl_ppo_ext.modeling import SharedActorCritic
+
+    value_lora = None
+    if critic == "value_lora":
+        value_lora = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
+                                target_modules=[t for t in lora.target_modules if t != "lm_head"])
+    return SharedActorCritic(policy, lora_config=lora, value_lora_config=value_lora)
 
 
 def critic_as(critic: str, value, lora):
     """The value model of a ``separate`` arm as it is, or of a ``lora`` arm with ``lora``'s adapter
     injected (peft, in place: the trainer sees a plain transformers model) and every weight but
     the adapter's and the ``score`` head's frozen (the optimizer takes what requires grad)."""
-    if critic != "lora":
+    if critic == "separate":
         return value
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -479,7 +496,6 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     else:
         from trl_ppo_ext import PPOConfig as config_cls
         from trl_ppo_ext import PPOTrainer as trainer_cls
-        from trl_ppo_ext.modeling import SharedActorCritic
 
     common = dict(output_dir=str(out.parent / f".{out.stem}_trainer"), total_episodes=episodes,
                   num_sample_generations=0, eval_strategy="no", save_strategy="no", logging_steps=1,
@@ -515,11 +531,12 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
             models.update(model=policy, ref_model=None, value_model=value, peft_config=lora,
                           train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
-        elif arm.critic != "shared":
+        elif arm.critic in ("separate", "lora"):
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
-            models.update(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora), peft_config=lora)
+            models.update(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
+                          peft_config=lora)
         else:
-            models.update(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+            models.update(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
         if arm.reward != "default":  # issue 22's variants: the true reward read from the policy's own ids
             seen: list[float] = []
 
@@ -553,11 +570,12 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                           target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
         marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
         seen: list[float] = []
-        if arm.trainer == "trl112" or arm.critic != "shared":  # TRL's example: a value model with a fresh head
+        if arm.trainer == "trl112" or arm.critic in ("separate", "lora"):  # TRL's example: a value model, fresh head
             value = AutoModelForSequenceClassification.from_pretrained(model_dir / "policy", num_labels=1)
-            models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora), peft_config=lora)
+            models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
+                          peft_config=lora)
         else:
-            models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+            models = dict(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
         if arm.trainer == "trl112":
             def rule(ids):
                 value = long_task_reward(task, response_after_marker(ids, marker, pad))
@@ -608,12 +626,12 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                 values = [rule(r)[1] for r in rows]
                 return (sum(values) / len(values) if values else None), len(values)
         else:
-            if arm.critic != "shared":
+            if arm.critic in ("separate", "lora"):
                 value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
                 models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
                               peft_config=lora)
             else:
-                models = dict(model=SharedActorCritic(policy, lora_config=lora), ref_model=None, value_model=None)
+                models = dict(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
             models.update(reward_model=None, reward_funcs=reward_functions(task, config, task_args),
                           train_dataset=prompts)
 

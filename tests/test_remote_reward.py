@@ -21,9 +21,9 @@ class RewardServer:
     ``script`` (then ``"ok"`` for ever): ``ok`` answers one reward per query (the number of words
     in it), ``slow`` answers only after ``release`` is set (or 2 s), ``500``/``400`` answer that status,
     ``not_json``/``no_key``/``short``/``text`` answer a malformed 200, ``extras`` adds
-    OpenRLHF's ``extra_logs`` (the word counts, a number, and two entries of wrong shapes), ``drop`` closes the connection
-    without a reply, ``cut`` sends half a body and closes. ``requests`` records every decoded
-    request body, in arrival order."""
+    OpenRLHF's ``extra_logs`` (the word counts, a number, and two entries of wrong shapes),
+    ``drop`` closes the connection without a reply, ``cut`` sends half a body and closes.
+    ``requests`` records every decoded request body, in arrival order."""
 
     def __init__(self):
         self.script, self.requests, self.release = [], [], threading.Event()

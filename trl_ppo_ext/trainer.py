@@ -80,9 +80,9 @@ from .modeling import (
 from .offload import on_device
 from .policy_value import PolicyAndValue
 from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
-from .reward_logs import RewardLogs
 from .process_reward import ProcessRewardModel, with_process_reward_models
 from .quantization import is_4bit_model, make_4bit_cpu_safe
+from .reward_logs import RewardLogs
 from .reward_text import completion_texts, reward_texts, score_texts
 from .rewards import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
 from .rollout import (
