@@ -271,11 +271,51 @@ def test_value_adapter_trains_with_the_policy_and_round_trips(tok, ids, tmp_path
         assert all(torch.equal(a, b) for a, b in zip(model(ids), loaded(ids)))
 
 
-def test_value_adapter_refuses_gradient_checkpointing(tok):
-    model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=small_lora(),
+def _value_adapter_model(tok) -> SharedActorCritic:
+    model = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=small_lora(),
                               value_lora_config=small_lora())
-    with pytest.raises(ValueError, match="value_lora_config=None"):
-        model.gradient_checkpointing_enable()
+    fill_trainable(model, seed=3)  # both adapters non-zero: a pass under the wrong one differs
+    return model.train()
+
+
+def _gradients(model: SharedActorCritic, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    ppo_like_loss(model, ids).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_value_adapter_checkpoints_with_the_gradients_of_no_checkpointing(tok, ids):
+    expected = _gradients(_value_adapter_model(tok), ids)
+    model = _value_adapter_model(tok)
+    model.gradient_checkpointing_enable()
+    assert model.is_gradient_checkpointing
+    layer = model.policy.get_base_model().model.layers[0]
+    calls = []
+    layer.self_attn.register_forward_pre_hook(lambda *_: calls.append(model.policy.active_adapter))
+    got = _gradients(model, ids)
+    # forward: the policy pass, then the value pass; backward recomputes each layer under its own
+    # adapter (the value pass first: backward runs in reverse)
+    assert calls == ["default", "value", "value", "default"]
+    assert set(got) == set(expected) and any(".value." in n for n in got)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    assert model.policy.active_adapter == "default"
+
+
+def test_value_adapter_refuses_reentrant_checkpointing_and_a_base_checkpointed_behind_its_back(tok, ids):
+    model = _value_adapter_model(tok)
+    with pytest.raises(ValueError, match="use_reentrant=True"):
+        model.gradient_checkpointing_enable({"use_reentrant": True})
+    # turned on on the base directly: the value pass would recompute under the policy adapter
+    model.policy.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+    with pytest.raises(RuntimeError, match="through SharedActorCritic.gradient_checkpointing_enable"):
+        model(ids)
+    with torch.no_grad():  # without grad nothing recomputes: allowed
+        model(ids)
+    # a base that comes checkpointing is switched to the adapter-safe recomputation
+    base = build_tiny_causal_lm(tok, seed=0)
+    base.gradient_checkpointing_enable({"use_reentrant": False})
+    wrapped = SharedActorCritic(base, lora_config=small_lora(), value_lora_config=small_lora())
+    assert wrapped.is_gradient_checkpointing and wrapped._recomputes_under_its_adapter()
 
 
 # ---------------------------------------------------------------------- loaders

@@ -114,6 +114,30 @@ def test_a_value_adapter_stays_trainable_and_trains(make_trainer, tok):
     assert value_names <= _moved(before, trainer)
 
 
+def test_a_value_adapter_holds_under_trls_default_checkpointing(tmp_path, make_trainer, tok, caplog):
+    """gradient_checkpointing=True (TRL's default) is applied to a shared actor-critic with a
+    value adapter -- it used to be skipped with a warning -- and the run ends on the same weights
+    as one without checkpointing: each layer recomputed under the adapter it ran forward with."""
+    from trl_ppo_ext.modeling import SharedActorCritic
+
+    final = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=LoraConfig(**LORA),
+                                  value_lora_config=LoraConfig(**LORA))
+        with caplog.at_level(logging.WARNING):
+            trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok, seed=2),
+                                   value_model=None, total_episodes=8, gradient_checkpointing=checkpointing,
+                                   output_dir=str(tmp_path / str(checkpointing)))
+        assert "not applied" not in caplog.text
+        trainer.train()
+        assert model.is_gradient_checkpointing == checkpointing  # on for the update, as configured
+        final[checkpointing] = _trainable_snapshot(trainer)
+    assert final[True].keys() == final[False].keys() and any(".value." in n for n in final[True])
+    for name, value in final[False].items():
+        assert torch.equal(final[True][name], value), name
+
+
 def test_the_step_does_not_depend_on_the_micro_batch_size(tmp_path, make_trainer, make_models, make_prompts):
     """Same rollout, same mini-batch: per-device 1 x 4 accumulation steps and per-device 4 x 1
     take the same SGD step (loss = token mean over the whole mini-batch)."""

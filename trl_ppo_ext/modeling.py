@@ -122,9 +122,11 @@ class SharedActorCritic(nn.Module):
     second backbone pass (without the LM head) with that adapter active: about 2x the
     forward/backward compute and activation memory of the default, plus one adapter of
     weights and optimizer state; in exchange the value loss cannot disturb the policy.
-    Gradient checkpointing is refused with a value adapter: checkpointed layers recompute
-    during backward with whatever adapter is active then, which would silently give the
-    value pass the policy adapter's activations.
+    Gradient checkpointing holds with a value adapter: a checkpointed layer recomputes during
+    backward, when another adapter may be active, so each one recomputes under the adapter
+    that was active when it ran forward (torch's non-reentrant ``context_fn``); gradients are
+    those without checkpointing, bit for bit. Reentrant checkpointing has no such hook and is
+    refused with a value adapter.
 
     Args:
         base_model: a causal LM (``transformers`` ``*ForCausalLM``), plain or 4-bit; or a
@@ -137,7 +139,7 @@ class SharedActorCritic(nn.Module):
 
     Raises:
         ValueError: a PeftModel together with ``lora_config``; a value head of the wrong
-            shape; gradient checkpointing requested together with a value adapter.
+            shape; reentrant gradient checkpointing together with a value adapter.
     """
 
     is_actor_critic = True
@@ -161,7 +163,8 @@ class SharedActorCritic(nn.Module):
             )
         self.value_head = value_head
         if self.value_adapter is not None and self.is_gradient_checkpointing:
-            raise ValueError(self._checkpointing_refusal())
+            # the base came checkpointing: again, with each layer recomputing under its adapter
+            self.gradient_checkpointing_enable()
 
     @staticmethod
     def _wrap_policy(base_model: nn.Module, lora_config: LoraConfig | None) -> PeftModel:
@@ -244,8 +247,13 @@ class SharedActorCritic(nn.Module):
 
     def _value_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         """Final hidden states with the value adapter active. Shape: (B, L, H)."""
-        if torch.is_grad_enabled() and self.is_gradient_checkpointing:
-            raise RuntimeError(self._checkpointing_refusal())
+        if torch.is_grad_enabled() and self.is_gradient_checkpointing and not self._recomputes_under_its_adapter():
+            raise RuntimeError(
+                "activation checkpointing was turned on on the base model directly: its layers would recompute "
+                "the value pass with the policy adapter during backward. Turn it on through "
+                "SharedActorCritic.gradient_checkpointing_enable(), which makes each layer recompute under the "
+                "adapter it ran forward with."
+            )
         base = self.policy.get_base_model()
         backbone = getattr(base, base.base_model_prefix, None)  # the LM without its head
         with self._active_adapter(self.value_adapter):
@@ -291,14 +299,30 @@ class SharedActorCritic(nn.Module):
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
                                       **kwargs) -> None:
-        """Enable activation checkpointing on the base (refused with a value adapter). A base
-        that cannot checkpoint is skipped with one warning naming it (``enable_checkpointing``).
-        Called again without kwargs (TRL's generation context, after each rollout), it reuses
-        the kwargs of the last call that gave some."""
-        if self.value_adapter is not None:
-            raise ValueError(self._checkpointing_refusal())
+        """Enable activation checkpointing on the base. A base that cannot checkpoint is
+        skipped with one warning naming it (``enable_checkpointing``). Called again without
+        kwargs (TRL's generation context, after each rollout), it reuses the kwargs of the last
+        call that gave some. With a value adapter, checkpointing is non-reentrant and each layer
+        recomputes under the adapter it ran forward with (see the class docstring); reentrant
+        checkpointing or a ``context_fn`` of the caller's is then a ``ValueError``."""
         kwargs = remembered_checkpointing_kwargs(self, gradient_checkpointing_kwargs)
+        if self.value_adapter is not None:
+            kwargs = dict(kwargs or {})
+            if kwargs.get("use_reentrant") or "context_fn" in kwargs:
+                raise ValueError(self._checkpointing_refusal())
+            kwargs.update(use_reentrant=False, context_fn=self._recompute_context)
         enable_checkpointing(self.policy.get_base_model(), kwargs, role="shared actor-critic backbone")
+
+    def _recompute_context(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """torch.utils.checkpoint's ``context_fn``, called as a checkpointed layer runs forward:
+        nothing around that forward, and the adapter active now around its recomputation."""
+        return contextlib.nullcontext(), self._active_adapter(self.policy.active_adapter)
+
+    def _recomputes_under_its_adapter(self) -> bool:
+        """Whether every checkpointing layer of the base recomputes through ``_recompute_context``."""
+        funcs = [getattr(m, "_gradient_checkpointing_func", None) for m in self.policy.get_base_model().modules()
+                 if getattr(m, "gradient_checkpointing", False) is True]
+        return all(getattr(f, "keywords", {}).get("context_fn") == self._recompute_context for f in funcs)
 
     def gradient_checkpointing_disable(self) -> None:
         """Disable activation checkpointing on the base."""
@@ -306,10 +330,11 @@ class SharedActorCritic(nn.Module):
 
     def _checkpointing_refusal(self) -> str:
         return (
-            f"gradient checkpointing cannot be combined with a value LoRA adapter "
-            f"({self.value_adapter!r}): recomputation during backward would use the policy "
-            "adapter. Build SharedActorCritic with value_lora_config=None (the value head then "
-            "reads the policy's hidden states), or turn gradient checkpointing off."
+            f"reentrant gradient checkpointing (use_reentrant=True) or a context_fn of your own cannot be combined "
+            f"with a value LoRA adapter ({self.value_adapter!r}): each layer must recompute under the adapter it "
+            "ran forward with, which only non-reentrant checkpointing's context_fn can do. Leave use_reentrant "
+            "unset (or False), or build SharedActorCritic with value_lora_config=None (the value head then reads "
+            "the policy's hidden states)."
         )
 
     # ----------------------------------------------------------- save / load

@@ -429,8 +429,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         model's activations during the update (non-reentrant unless the kwargs say otherwise).
         Generation and scoring run without grad and keep their KV cache and speed.
 
-        A shared actor-critic with a value adapter refuses it (recomputation would run the value
-        pass with the policy adapter); the run then goes on without it, with a warning saying why.
+        A shared actor-critic with a value adapter checkpoints too, each layer recomputing under
+        the adapter it ran forward with; it refuses reentrant checkpointing, and the run then
+        goes on without checkpointing, with a warning saying why.
         """
         args = self.args
         if not (getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing):
