@@ -24,6 +24,9 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
             the two above with ``gradient_checkpointing=False``. The other contenders keep
             TRL's default ``gradient_checkpointing=True``, which this package applies to the
             policy and the value model; upstream accepts it and never applies it.
+  shared_vlora
+            ``shared`` with a value adapter of its own (``value_lora_config``, the same rank
+            and targets): a second backbone pass for the values (not in the default run).
 
 The random models are built once per size; every run trains deep copies of them. The
 contenders alternate inside one process (the machine is shared and its load drifts): each
@@ -113,11 +116,13 @@ SIZES = {  # words: ordinary words in the tokenizer (+6 special tokens = vocabul
 DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one warm-up
 # Every contender, in table order. A "_nockpt" contender is its base with gradient_checkpointing=False
 # (upstream accepts the flag and never applies it, so it needs no such arm); "_vllm": use_vllm=True.
-CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt", "separate_vllm", "shared_vllm")
+CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt", "shared_vlora", "separate_vllm",
+              "shared_vllm")
 DEFAULT_CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
 LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "ours, shared LoRA",
           "separate_nockpt": "separate, no ckpt", "shared_nockpt": "shared, no ckpt",
+          "shared_vlora": "shared, value LoRA",
           "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM"}
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 LORA_R, LORA_ALPHA = 16, 32
@@ -369,8 +374,11 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
         cls = timed_ours_class()
         cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
-        trainer = cls(args=PPOConfig(**cfg), model=SharedActorCritic(models.fresh("policy"), lora_config=lora),
-                      ref_model=None, value_model=None, reward_model=models.fresh("reward"), **common)
+        value_lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=lora.target_modules)
+        model = SharedActorCritic(models.fresh("policy"), lora_config=lora,
+                                  value_lora_config=value_lora if contender == "shared_vlora" else None)
+        trainer = cls(args=PPOConfig(**cfg), model=model, ref_model=None, value_model=None,
+                      reward_model=models.fresh("reward"), **common)
     trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
     return trainer
 
