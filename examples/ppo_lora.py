@@ -154,6 +154,12 @@ class ModelArguments:
         metadata={"help": "Modules to adapt; default: all-linear (every linear layer but lm_head). The demo adds "
                   "lm_head: " + " ".join(DEMO_LORA_TARGETS)},
     )
+    value_lora: bool = field(
+        default=False,
+        metadata={"help": "Give the critic its own LoRA adapter on the same base (same rank and targets, lm_head "
+                  "excepted): a second backbone pass, ~1.5x an update's work; it learned much faster where "
+                  "credit travels over long responses (docs/benchmarks.md, the critic round)."},
+    )
 
 
 # The demo's settings; any of them can still be overridden on the command line.
@@ -296,9 +302,15 @@ def build_demo(script: ScriptArguments, config: PPOConfig, model_args: ModelArgu
                       target_modules=_lora_targets(model_args.lora_target_modules), task_type="CAUSAL_LM")
     max_length = policy.config.max_position_embeddings
     kwargs = dict(seed=config.seed + 3, response_length=config.response_length, max_length=max_length)
+    value_lora = None
+    if model_args.value_lora:  # the value pass never reaches lm_head
+        targets = lora.target_modules
+        targets = [t for t in targets if t != "lm_head"] if isinstance(targets, (list, set)) else targets
+        value_lora = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                                target_modules=targets)
     return Setup(
         tokenizer=task.tokenizer,
-        model=SharedActorCritic(policy, lora_config=lora),
+        model=SharedActorCritic(policy, lora_config=lora, value_lora_config=value_lora),
         reward_model=reward_model,
         train_prompts=_render_demo_prompts(task, script.num_train_prompts, held_out=False, **kwargs),
         eval_prompts=_render_demo_prompts(task, script.num_eval_prompts, held_out=True, **kwargs),
@@ -457,7 +469,8 @@ def build_real(script: ScriptArguments, config: PPOConfig, model_args: ModelArgu
     model = load_actor_critic(policy_source, lora_r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
                               lora_dropout=model_args.lora_dropout,
                               lora_target_modules=_lora_targets(model_args.lora_target_modules),
-                              load_in_4bit=model_args.load_in_4bit, torch_dtype=model_args.torch_dtype, **hub)
+                              load_in_4bit=model_args.load_in_4bit, torch_dtype=model_args.torch_dtype,
+                              value_lora=model_args.value_lora, **hub)
     reward_model = load_reward_model(rm_source, load_in_4bit=model_args.load_in_4bit,
                                      torch_dtype=model_args.torch_dtype,
                                      trust_remote_code=model_args.trust_remote_code)
@@ -591,6 +604,7 @@ def build_summary(setup: Setup, trainer: PPOTrainer, before: Evaluation, after: 
                  "target_modules": sorted(lora.target_modules) if isinstance(lora.target_modules, (set, list))
                  else lora.target_modules,
                  "trainable_parameters": sum(p.numel() for p in trainer.unwrapped.parameters() if p.requires_grad),
+                 "value_adapter": getattr(trainer.unwrapped, "value_adapter", None),
                  "reference": "the policy with its LoRA adapter disabled"},
         "ppo": {name: getattr(config, name, None) for name in PPO_SETTINGS},
         "evaluation": {"num_eval_prompts": len(setup.eval_prompts), "seed": script.eval_seed,

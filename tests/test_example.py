@@ -187,3 +187,18 @@ def test_real_mode_on_local_files(local_files, tmp_path):
     targets = summary["settings"]["lora"]["target_modules"]
     assert {t.rsplit(".", 1)[-1] for t in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                        "up_proj", "down_proj"}
+    assert summary["settings"]["lora"]["value_adapter"] is None  # the value head reads the policy's states
+
+
+def test_value_lora_gives_the_critic_its_own_adapter(local_files, tmp_path):
+    argv = _real(local_files, tmp_path, "--total_episodes", "4", "--per_device_train_batch_size", "4",
+                 "--gradient_accumulation_steps", "1", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
+                 "--stop_token", "eos", "--num_eval_prompts", "4", "--lora_r", "4", "--lora_alpha", "8",
+                 "--num_sample_generations", "0", "--save_strategy", "no", "--disable_tqdm", "True",
+                 "--value_lora")
+    summary = ppo_lora.main(argv)
+    assert summary["settings"]["lora"]["value_adapter"] == "value"
+    policy_only = ppo_lora.main(argv[:-1] + ["--output_dir", str(tmp_path / "plain")])
+    # a second adapter of the same rank and targets: twice the LoRA weights, the same value head
+    lora = lambda s: s["settings"]["lora"]["trainable_parameters"] - 33  # noqa: E731  (value head: H=32 + bias)
+    assert lora(summary) == 2 * lora(policy_only)

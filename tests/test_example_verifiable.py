@@ -135,13 +135,14 @@ REWARDS = ("exact_answer", "format_reward", "soft_overlong_punishment_reward")
 
 
 @pytest.mark.slow
-def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--value_lora"]], ids=["value_head", "value_adapter"])
+def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path, extra):
     out = tmp_path / "verifiable"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     args = ["--num_values", "8", "--num_sft_pairs", "16", "--num_held_out_pairs", "8", "--max_ppo_pairs", "32",
             "--sft_steps", "5", "--total_episodes", "32", "--per_device_train_batch_size", "8",
             "--gradient_accumulation_steps", "2", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
-            "--eval_steps", "1", "--num_train_pairs_evaluated", "8", "--output_dir", str(out)]
+            "--eval_steps", "1", "--num_train_pairs_evaluated", "8", "--output_dir", str(out), *extra]
     proc = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -158,6 +159,7 @@ def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path):
     assert settings["task"]["pairs"] == {"sft": 16, "ppo": 32, "held_out": 8}
     assert [r["name"] for r in settings["rewards"]] == list(REWARDS)
     assert settings["ppo"]["reward_weights"] == [1.0, 0.2, 0.2] and settings["ppo"]["total_episodes"] == 32
+    assert settings["lora"]["value_adapter"] == ("value" if extra else None)
     assert len(summary["samples_before"]) == len(summary["samples_after"]) == 4
 
     history = json.loads((out / "log_history.json").read_text())
@@ -167,6 +169,7 @@ def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path):
         assert all(math.isfinite(h[f"rewards/{name}/mean"]) and math.isfinite(h[f"eval/{name}"]) for h in updates)
     assert all(math.isfinite(h["eval/other_operand"]) for h in updates)
     assert (out / "adapter_config.json").is_file() and (out / "value_head.safetensors").is_file()
+    assert (out / "value" / "adapter_config.json").is_file() == bool(extra)  # the value adapter, saved beside
     assert "Before PPO" in proc.stdout and "After PPO" in proc.stdout and "held-out accuracy, greedy" in proc.stdout
 
 
