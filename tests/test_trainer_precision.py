@@ -34,16 +34,19 @@ def test_gradient_checkpointing_on_the_shared_actor_critic_trains(make_trainer, 
     assert any("lora_B" in n and not torch.equal(p, now[n]) for n, p in before.items())
 
 
-def test_gradient_checkpointing_with_a_value_adapter_is_refused_with_its_reason(make_trainer, tok, caplog):
+def test_reentrant_checkpointing_with_a_value_adapter_is_refused_with_its_reason(make_trainer, tok, caplog):
+    """The default (non-reentrant) checkpointing holds with a value adapter (tests/test_trainer_dropin.py);
+    reentrant checkpointing cannot recompute under the right adapter: the run goes on without it."""
     from trl_ppo_ext.modeling import SharedActorCritic
 
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(**LORA),
                               value_lora_config=LoraConfig(**LORA))
     with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
         trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok),
-                               value_model=None, gradient_checkpointing=True)
+                               value_model=None, gradient_checkpointing=True,
+                               gradient_checkpointing_kwargs={"use_reentrant": True})
     assert not trainer.unwrapped.is_gradient_checkpointing
-    assert any("gradient_checkpointing=True is not applied" in r.getMessage() and "adapter" in r.getMessage()
+    assert any("gradient_checkpointing=True is not applied" in r.getMessage() and "use_reentrant=True" in r.getMessage()
                for r in caplog.records)
 
 
