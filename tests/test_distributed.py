@@ -55,6 +55,13 @@ def test_two_process_train(tmp_path, mode):
         for r in ranks:
             assert r["completions"] == 5
             assert all(log["eval/prompt_words"] == r["eval_prompt_words"] for log in r["logs"])
+            # log_metric: rank 0 logs 1, rank 1 logs 2, once per scoring call and as often as each other
+            # (even batches): the mean over both processes; a name only rank 1 logs reaches both
+            for log in r["logs"]:
+                assert log["reporter/rank_plus_one"] == 1.5 and log["reporter/only_rank1"] == 5.0
+                assert log["eval/reporter/rank_plus_one"] == 1.5 and log["eval/reporter/only_rank1"] == 5.0
+            # log_extra: a column of the completions table, one row per held-out prompt, from both processes
+            assert len(r["rank_column"]) == 5 and set(r["rank_column"]) == {0, 1}
 
 
 # ---------------------------------------------------------------------- trl_ppo_ext.distributed

@@ -34,6 +34,15 @@ def main() -> None:
     extra = dict(eval_strategy="steps", eval_steps=1, num_sample_generations=2, per_device_eval_batch_size=2)
     # recipe: issue 21's fields on (the sequence count reduced over processes, the warm-up decided alike)
     recipe = dict(loss_type="grpo", critic_warmup_steps=1, cliprange_high=0.28, dual_clip=3.0, value_lam=1.0)
+    rank_now = int(__import__("os").environ.get("RANK", "0"))
+
+    def reporter(completions, log_metric, log_extra, **kwargs):
+        """Rewards 0 (the scores stay the RM's); reports what each process is, GRPO's way."""
+        log_metric("reporter/rank_plus_one", rank_now + 1)
+        if rank_now == 1:
+            log_metric("reporter/only_rank1", 5.0)  # a name the other process never logs
+        log_extra("rank", [rank_now] * len(completions))
+        return [0.0] * len(completions)
     trainer = PPOTrainer(
         args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {}),
@@ -43,6 +52,7 @@ def main() -> None:
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         if peft else None,
         eval_metrics={"prompt_words": lambda prompts, completions: [len(p.split()) for p in prompts]},
+        reward_funcs=[reporter] if with_eval else None,
     )
     steps = record_optimizer_steps(trainer)
     trainer.train()
@@ -55,6 +65,7 @@ def main() -> None:
         "world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
         "batch_size": trainer.args.batch_size, "optimizer_steps": steps,
         "completions": None if completions is None else len(completions),
+        "rank_column": None if completions is None else completions["rank"].tolist(),
         "eval_prompt_words": None if eval_dataset is None else sum(map(len, eval_dataset["input_ids"])) / 5,
     }))
     trainer.accelerator.end_training()
