@@ -301,6 +301,43 @@ def test_value_adapter_checkpoints_with_the_gradients_of_no_checkpointing(tok, i
     assert model.policy.active_adapter == "default"
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt", "qwen2"])
+def test_value_adapter_checkpoints_exactly_on_other_families(family):
+    """The recomputation under each layer's own adapter is not a Llama property: GPT-2 (fused c_attn,
+    ``transformer`` backbone), OPT and Qwen2 give the gradients of no checkpointing, bit for bit."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        if family == "gpt2":
+            config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+                                eos_token_id=0)
+            return GPT2LMHeadModel(config), ["c_attn"]
+        if family == "opt":
+            config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+                               word_embed_proj_dim=32, max_position_embeddings=64)
+            return OPTForCausalLM(config), ["q_proj", "v_proj"]
+        config = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64)
+        return Qwen2ForCausalLM(config), ["q_proj", "v_proj"]
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for checkpointing in (False, True):
+        base, targets = build()
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+        model = SharedActorCritic(base, lora_config=lora, value_lora_config=lora)
+        fill_trainable(model, seed=3)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert model.is_gradient_checkpointing
+        grads.append(_gradients(model, ids))
+    assert grads[0].keys() == grads[1].keys() and any(".value." in n for n in grads[0])
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
 def test_value_adapter_refuses_reentrant_checkpointing_and_a_base_checkpointed_behind_its_back(tok, ids):
     model = _value_adapter_model(tok)
     with pytest.raises(ValueError, match="use_reentrant=True"):
