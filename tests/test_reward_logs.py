@@ -45,6 +45,9 @@ def test_a_name_nobody_gave_a_value_is_nan_and_bad_values_are_refused():
     logs = RewardLogs()
     out = logs.take_metrics(lambda mine: ["ghost"], lambda rows: rows)
     assert list(out) == ["ghost"] and math.isnan(out["ghost"])
+    logs.log_metric("wild", math.inf)
+    logs.log_metric("wild", -math.inf)
+    assert math.isnan(logs.take_metrics()["wild"])  # left to the guards, as a NaN, not an exception
     with pytest.raises(TypeError, match=r"log_metric\('x', \[1, 2\]\): the value must be one number"):
         logs.log_metric("x", [1, 2])
     with pytest.raises(ValueError, match="non-empty string"):

@@ -34,11 +34,12 @@ import asyncio
 import http.client
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
 from urllib.parse import urlsplit
+
+from .reward_logs import KWARG_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class RemoteReward:
         if missing:
             raise ValueError(
                 f"remote_reward({self.url}): dataset column(s) {missing} (label_key/columns) are not in the batch; "
-                f"its columns are {sorted(k for k in columns if k not in ('trainer_state', 'log_extra'))}."
+                f"its columns are {sorted(k for k in columns if k not in ('trainer_state', *KWARG_NAMES))}."
             )
         prompt_texts = [self._prompt_text(p) for p in prompts]
         completion_texts = [_completion_text(c) for c in completions]
@@ -216,7 +217,7 @@ class RemoteReward:
             if _is_json_number(value):
                 out[name] = (float(value), 1)
             elif isinstance(value, list) and len(value) == expected and all(map(_is_json_number, value)):
-                out[name] = (math.fsum(float(v) for v in value), expected)
+                out[name] = (sum(float(v) for v in value), expected)
             else:
                 logger.warning("Remote reward %s: extra_logs[%r] is not one number per completion (%d) nor one "
                                "number; not logged.", self.url, name, expected)

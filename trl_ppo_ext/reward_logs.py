@@ -25,7 +25,6 @@ the cross-process reduction takes the gather functions as arguments.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -83,7 +82,7 @@ class RewardLogs:
         """
         mine = sorted(self._metrics)
         names = sorted(set(gather_names(mine))) if gather_names is not None else mine
-        rows = torch.tensor([[math.fsum(self._metrics.get(n, ())), len(self._metrics.get(n, ()))] for n in names],
+        rows = torch.tensor([[sum(self._metrics.get(n, ())), len(self._metrics.get(n, ()))] for n in names],
                             dtype=torch.float64).reshape(len(names), 2)
         self._metrics.clear()
         if reduce_sums is not None and names:
