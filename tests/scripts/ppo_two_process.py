@@ -5,6 +5,7 @@ and whether each process's shard of the rollout data differed.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def main() -> None:
     extra = dict(eval_strategy="steps", eval_steps=1, num_sample_generations=2, per_device_eval_batch_size=2)
     # recipe: issue 21's fields on (the sequence count reduced over processes, the warm-up decided alike)
     recipe = dict(loss_type="grpo", critic_warmup_steps=1, cliprange_high=0.28, dual_clip=3.0, value_lam=1.0)
-    rank_now = int(__import__("os").environ.get("RANK", "0"))
+    rank_now = int(os.environ.get("RANK", "0"))
 
     def reporter(completions, log_metric, log_extra, **kwargs):
         """Rewards 0 (the scores stay the RM's); reports what each process is, GRPO's way."""
