@@ -1164,17 +1164,15 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         metrics["train/nonfinite_steps"] = float(self.counters.nonfinite_steps)
         return metrics
 
-    def _take_reward_logs(self) -> dict[str, float]:
-        """What reward functions passed to ``log_metric`` since the last call, each name the mean
-        over every process (``reward_logs``); their ``log_extra`` columns are dropped (no table
-        of training completions)."""
-        self.reward_logs.clear_columns()
-        return self.reward_logs.take_metrics(gather_object, self._sum_over_processes)
-
-    def _sum_over_processes(self, rows: torch.Tensor) -> torch.Tensor:
-        """``(n, k)`` rows summed over the processes (every process calls it with the same n)."""
-        gathered = self.accelerator.gather(rows.to(self.accelerator.device))
-        return gathered.reshape(-1, *rows.shape).sum(0).cpu()
+    def _take_reward_logs(self, logs: RewardLogs | None = None) -> dict[str, float]:
+        """What reward functions passed to ``log_metric`` since the last call (into ``logs``,
+        default ``self.reward_logs``), each name the mean over every process; their ``log_extra``
+        columns are dropped (no table of training completions)."""
+        logs = self.reward_logs if logs is None else logs
+        logs.clear_columns()
+        device = self.accelerator.device
+        return logs.take_metrics(gather_object,
+                                 lambda rows: self.accelerator.reduce(rows.to(device), reduction="sum").cpu())
 
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
         """``rewards/<name>/mean`` and ``/std`` (see ``metrics.reward_statistics``); none for a
@@ -1246,8 +1244,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 row.update(user_metric_rows(self.eval_metrics, tok, r))
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
-            logs.clear_columns()
-            logged = logs.take_metrics(gather_object, self._sum_over_processes)
+            logged = self._take_reward_logs(logs)
         metrics = {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
         return {**metrics, **{f"eval/{name}": value for name, value in logged.items()}}
 
