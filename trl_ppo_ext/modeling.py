@@ -267,9 +267,13 @@ class SharedActorCritic(nn.Module):
     @contextlib.contextmanager
     def _active_adapter(self, name: str) -> Iterator[None]:
         """Make adapter ``name`` the active one inside the block, leaving every
-        ``requires_grad`` flag as it was (peft's ``set_adapter`` freezes inactive adapters)."""
-        flags = [(p, p.requires_grad) for p in self.policy.parameters()]
+        ``requires_grad`` flag as it was (peft's ``set_adapter`` freezes inactive adapters).
+        Nothing to switch when it is active already (the policy pass's layers recomputing)."""
         previous = self.policy.active_adapter
+        if previous == name:
+            yield
+            return
+        flags = [(p, p.requires_grad) for p in self.policy.parameters()]
         try:
             self.policy.set_adapter(name)
             for param, flag in flags:
