@@ -32,7 +32,7 @@ def _launch(args, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe"])
+@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe", "shared"])
 def test_two_process_train(tmp_path, mode):
     proc = _launch([str(SCRIPT), str(tmp_path), mode])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -48,6 +48,10 @@ def test_two_process_train(tmp_path, mode):
     # one optimizer step per mini-batch per PPO epoch on every process, at the prompt loader's epoch
     # ends (12 prompts, 8 per update over both processes: every update is an epoch's last batch)
     assert all(r["optimizer_steps"] == [2 * 2, 2 * 2] for r in ranks)
+    if mode == "shared":  # the value adapter trains on both processes alike, under gradient checkpointing
+        assert all(r["checkpointing"] for r in ranks)
+        assert ranks[0]["value_adapter_end"] != ranks[0]["value_adapter_start"]
+        assert ranks[0]["value_adapter_end"] == pytest.approx(ranks[1]["value_adapter_end"], rel=0, abs=1e-9)
     if mode == "recipe":  # issue 21: the warm-up's first update held the policy on both processes alike
         assert all([log["train/critic_warmup"] for log in r["logs"]] == [1.0, 0.0] for r in ranks)
     if mode == "eval":

@@ -20,6 +20,7 @@ from tiny_setup import (  # beside this file
 )
 
 from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.modeling import VALUE_ADAPTER_NAME, SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
@@ -36,6 +37,13 @@ def main() -> None:
     # recipe: issue 21's fields on (the sequence count reduced over processes, the warm-up decided alike)
     recipe = dict(loss_type="grpo", critic_warmup_steps=1, cliprange_high=0.28, dual_clip=3.0, value_lam=1.0)
     rank_now = int(os.environ.get("RANK", "0"))
+    # shared: the one-GPU layout (LoRA policy, value head and a value adapter of its own on one frozen base,
+    # the reference = adapters off) under DDP, with TRL's default gradient checkpointing
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    shared = mode == "shared"
+    if shared:
+        policy = SharedActorCritic(policy, lora_config=lora, value_lora_config=lora)
+        value_adapter_start = _value_adapter_sum(policy)
 
     def reporter(completions, log_metric, log_extra, **kwargs):
         """Rewards 0 (the scores stay the RM's); reports what each process is, GRPO's way."""
@@ -48,10 +56,9 @@ def main() -> None:
         args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {}),
                          **(recipe if mode == "recipe" else {})),
-        processing_class=tok, model=policy, ref_model=None if peft else ref, reward_model=reward,
-        train_dataset=prompt_dataset(tok, n=12), value_model=value, eval_dataset=eval_dataset,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-        if peft else None,
+        processing_class=tok, model=policy, ref_model=None if peft or shared else ref, reward_model=reward,
+        train_dataset=prompt_dataset(tok, n=12), value_model=None if shared else value, eval_dataset=eval_dataset,
+        peft_config=lora if peft else None,
         eval_metrics={"prompt_words": lambda prompts, completions: [len(p.split()) for p in prompts]},
         reward_funcs=[reporter] if with_eval else None,
     )
@@ -62,7 +69,13 @@ def main() -> None:
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     # Parameters stay in sync across processes (DDP averages gradients).
     checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters() if p.requires_grad))
+    shared_facts = {}
+    if shared:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        shared_facts = {"checkpointing": model.is_gradient_checkpointing,
+                        "value_adapter_start": value_adapter_start, "value_adapter_end": _value_adapter_sum(model)}
     (out / f"rank{rank}.json").write_text(json.dumps({
+        **shared_facts,
         "world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
         "batch_size": trainer.args.batch_size, "optimizer_steps": steps,
         "completions": None if completions is None else len(completions),
@@ -70,6 +83,12 @@ def main() -> None:
         "eval_prompt_words": None if eval_dataset is None else sum(map(len, eval_dataset["input_ids"])) / 5,
     }))
     trainer.accelerator.end_training()
+
+
+def _value_adapter_sum(model) -> float:
+    """Sum of the value adapter's LoRA weights (both processes must agree; it must move)."""
+    return float(sum(p.detach().double().sum() for n, p in model.named_parameters()
+                     if f".{VALUE_ADAPTER_NAME}." in n and "lora_" in n))
 
 
 if __name__ == "__main__":
