@@ -6,6 +6,9 @@ adaptive KL, a LoRA shared actor-critic, 2 PPO epochs x 2 mini-batches, an epoch
 the data. It checkpoints after every update; each checkpoint, resumed in a fresh trainer, must
 end with the same trainable weights and the same logged metrics as the run that never stopped.
 
+The same with a value adapter of the critic's own (``value_lora_config``): its weights and AdamW state
+come back too, and it recomputes under TRL's default gradient checkpointing.
+
 Before the fix, the completions table drew from the training RNG after the checkpoint had
 captured it, so a resumed run sampled other responses (max |diff| of the final weights ~1e-2).
 """
@@ -29,11 +32,12 @@ def shorter_is_better(completions, **kwargs):
     return [1.0 / (1.0 + len(c.split())) for c in completions]
 
 
-def build(out_dir):
+def build(out_dir, value_adapter=False):
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     torch.manual_seed(0)  # the LoRA and value-head initialisations draw from the global RNG
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    model = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=lora)
+    model = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=lora,
+                              value_lora_config=lora if value_adapter else None)
     args = PPOConfig(
         output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
         num_ppo_epochs=2, total_episodes=4 * UPDATES, response_length=6, local_rollout_forward_batch_size=4,
@@ -57,23 +61,26 @@ def update_logs(trainer):
     return [{k: v for k, v in h.items() if k != "eps"} for h in trainer.state.log_history if "objective/scores" in h]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["shared", "value_adapter"])
+def straight(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("straight")
-    trainer = build(root / "out")
+    trainer = build(root / "out", value_adapter=request.param)
     trainer.train()
     assert trainer.state.global_step == UPDATES
     assert any("eval/rm_score" in h for h in update_logs(trainer))  # the held-out evaluation ran
-    return root / "out", trainable(trainer), update_logs(trainer)
+    if request.param:
+        assert trainer.unwrapped.is_gradient_checkpointing  # TRL's default, with the adapter's recompute
+        assert any(".value." in k for k in trainable(trainer))
+    return root / "out", trainable(trainer), update_logs(trainer), request.param
 
 
 @pytest.mark.slow  # four tiny runs
 @pytest.mark.parametrize("step", range(UPDATES))
 def test_resume_from_every_checkpoint_ends_equal_to_the_straight_run(tmp_path, straight, step):
-    out, final, logs = straight
+    out, final, logs, value_adapter = straight
     saved = tmp_path / f"checkpoint-{step}"
     shutil.copytree(out / f"checkpoint-{step}", saved)
-    resumed = build(tmp_path / "resumed")
+    resumed = build(tmp_path / "resumed", value_adapter=value_adapter)
     resumed.train(resume_from_checkpoint=str(saved))
     params = trainable(resumed)
     assert params.keys() == final.keys()
