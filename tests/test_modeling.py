@@ -14,7 +14,14 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationMixin,
+    LlamaForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from trl_ppo_ext import quantization as quant
 from trl_ppo_ext.loading import load_actor_critic, load_reward_model
@@ -353,6 +360,68 @@ def test_value_adapter_refuses_reentrant_checkpointing_and_a_base_checkpointed_b
     base.gradient_checkpointing_enable({"use_reentrant": False})
     wrapped = SharedActorCritic(base, lora_config=small_lora(), value_lora_config=small_lora())
     assert wrapped.is_gradient_checkpointing and wrapped._recomputes_under_its_adapter()
+
+
+class _ToyConfig(PretrainedConfig):
+    model_type = "toy_two_layer_lm"
+
+    def __init__(self, vocab_size=40, hidden_size=8, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+
+
+class _ToyLM(PreTrainedModel, GenerationMixin):
+    """A causal LM of a user's own that supports less than transformers' classes: no backbone under
+    ``base_model_prefix``, no gradient checkpointing, no attention mask. ``h = tanh(v(tanh(q(e))))``."""
+
+    config_class = _ToyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, output_hidden_states=False, **ignored):
+        embedded = self.embed(input_ids)
+        hidden = torch.tanh(self.v_proj(torch.tanh(self.q_proj(embedded))))
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden),
+                                      hidden_states=(embedded, hidden) if output_hidden_states else None)
+
+
+def test_value_adapter_on_a_custom_lm_without_backbone_or_checkpointing(caplog):
+    torch.manual_seed(0)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = SharedActorCritic(_ToyLM(_ToyConfig()), lora_config=lora, value_lora_config=lora)
+    ids = torch.tensor([[1, 5, 7, 2], [3, 3, 9, 0]])
+    _, values = model(ids)
+
+    def adapted(linear, x, name):  # W x + b + scaling * B A x, from the adapter's own tensors
+        return linear.base_layer(x) + linear.scaling[name] * linear.lora_B[name](linear.lora_A[name](x))
+
+    toy = model.policy.get_base_model()
+    with torch.no_grad():
+        q = torch.tanh(adapted(toy.q_proj, toy.embed(ids), "value"))
+        expected = model.value_head(torch.tanh(adapted(toy.v_proj, q, "value"))).squeeze(-1)
+    torch.testing.assert_close(values, expected, rtol=1e-6, atol=1e-6)
+    assert model.policy.active_adapter == "default"  # the policy's adapter is active again afterwards
+    # TRL's default gradient_checkpointing=True: skipped with a warning, and the critic still trains
+    with caplog.at_level(logging.WARNING):
+        model.gradient_checkpointing_enable()
+    assert not model.is_gradient_checkpointing
+    assert any("_ToyLM" in r.getMessage() and "not applied" in r.getMessage() for r in caplog.records)
+    model(ids)[1].pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(grads[n] is not None and grads[n].abs().sum() > 0 for n in grads if ".value." in n)
+    assert all(grads[n] is None for n in grads if ".default." in n)  # a value loss leaves the policy adapter
 
 
 # ---------------------------------------------------------------------- loaders
