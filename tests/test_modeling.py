@@ -345,6 +345,37 @@ def test_value_adapter_checkpoints_exactly_on_other_families(family):
         assert torch.equal(grads[1][name], grad), name
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_value_adapter_switch_equals_peft_set_adapter(tok, ids, checkpointing, monkeypatch):
+    """The cheap switch (naming the active adapter on each LoRA layer) gives the values and gradients
+    of peft's own ``set_adapter``, leaves flags and names as they were, and steps aside where a peft
+    wrapper of another kind (``modules_to_save``) or a merged layer needs ``set_adapter``."""
+    models = [_value_adapter_model(tok) for _ in range(2)]
+    if checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable()
+    fast, slow = models
+    assert fast._switchable_layers() is not None
+    monkeypatch.setattr(slow, "_switchable_layers", lambda: None)  # peft's set_adapter every time
+    flags = {n: p.requires_grad for n, p in fast.named_parameters()}
+    names = [layer._active_adapter for layer in fast._switchable_layers()]
+    grads = [_gradients(model, ids) for model in models]
+    assert grads[0].keys() == grads[1].keys() and any(".value." in n for n in grads[0])
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+    assert {n: p.requires_grad for n, p in fast.named_parameters()} == flags
+    assert [layer._active_adapter for layer in fast._switchable_layers()] == names
+    assert fast.policy.active_adapter == fast.policy.base_model.active_adapter == "default"
+
+    saving = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), value_lora_config=small_lora(),
+                               lora_config=LoraConfig(r=4, lora_alpha=8, target_modules=QKVO, task_type="CAUSAL_LM",
+                                                      modules_to_save=["embed_tokens"]))
+    assert saving._switchable_layers() is None
+    merged = _value_adapter_model(tok)
+    next(layer for layer in merged._switchable_layers()).merge(adapter_names=["default"])
+    assert merged._switchable_layers() is None
+
+
 def test_value_adapter_refuses_reentrant_checkpointing_and_a_base_checkpointed_behind_its_back(tok, ids):
     model = _value_adapter_model(tok)
     with pytest.raises(ValueError, match="use_reentrant=True"):
