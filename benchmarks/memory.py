@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--hidden={args.hidden} is not divisible by --heads={args.heads}.")
     if args.bf16 and args.device != "cuda":
         parser.error("--bf16 needs --device cuda: on the CPU the package computes 4-bit models in fp32 "
-                     "and ignores bf16 (trl_ppo_ext.quantization.resolve_compute_dtype).")
+                     "and ignores bf16 (trl_ppo_ext.models.quantization.resolve_compute_dtype).")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device.")
     return args
@@ -570,7 +570,7 @@ def load_offloaded_4bit_reward_model(path: Path, dtype):
     """
     from transformers import AutoModelForSequenceClassification
 
-    from trl_ppo_ext.quantization import make_4bit_cpu_safe, nf4_quantization_config
+    from trl_ppo_ext.models.quantization import make_4bit_cpu_safe, nf4_quantization_config
 
     model = AutoModelForSequenceClassification.from_pretrained(
         path, quantization_config=nf4_quantization_config(dtype), dtype=dtype, device_map={"": "cpu"})
@@ -583,7 +583,7 @@ def build_shared(args, ckpt: Path, dataset, tokenizer, output_dir: str, *, four_
     import torch
 
     from trl_ppo_ext import PPOConfig, PPOTrainer
-    from trl_ppo_ext.loading import load_actor_critic, load_reward_model
+    from trl_ppo_ext.models.loading import load_actor_critic, load_reward_model
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     offload = four_bit and args.device == "cuda"
@@ -637,7 +637,7 @@ def import_libraries(setup: str) -> None:
     _compat.trl_has_ppo()  # imports trl.experimental.ppo where it exists
 
     if setup == "c":
-        from trl_ppo_ext.quantization import import_bitsandbytes
+        from trl_ppo_ext.models.quantization import import_bitsandbytes
 
         import_bitsandbytes()
 

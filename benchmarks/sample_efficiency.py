@@ -454,7 +454,7 @@ def shared_actor_critic(critic: str, policy, lora):
     adapter of ``lora``'s rank and targets (the LM head excepted) on the same base."""
     from peft import LoraConfig
 
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     value_lora = None
     if critic == "value_lora":

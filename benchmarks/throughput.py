@@ -351,7 +351,7 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     from transformers import PrinterCallback
 
     from trl_ppo_ext import PPOConfig
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
     if contender.endswith("_vllm"):

@@ -67,7 +67,7 @@ from transformers import HfArgumentParser, ProgressCallback, set_seed  # noqa: E
 
 from trl_ppo_ext import PPOConfig, PPOTrainer  # noqa: E402
 from trl_ppo_ext.data import render_prompts  # noqa: E402
-from trl_ppo_ext.manifest import to_jsonable  # noqa: E402
+from trl_ppo_ext.run.manifest import to_jsonable  # noqa: E402
 
 # transformers 5 deprecates the `gradient_checkpointing` name that TRL's configs set by default;
 # nothing for the user to change (this script never turns checkpointing on).
@@ -280,7 +280,7 @@ def build_demo(script: ScriptArguments, config: PPOConfig, model_args: ModelArgu
     from peft import LoraConfig
     from synthetic_task import build_task, make_preference_pairs, train_reward_model
 
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
     from trl_ppo_ext.tiny import build_tiny_causal_lm
 
     task = build_task(config.seed)
@@ -338,7 +338,7 @@ def _lora_targets(targets: list[str] | None) -> list[str] | str:
 
 def _checked_source(flag: str, value: str) -> str:
     """A model path or hub id, or a FileNotFoundError that names the command-line flag."""
-    from trl_ppo_ext.loading import resolve_model_source
+    from trl_ppo_ext.models.loading import resolve_model_source
 
     try:
         return resolve_model_source(value)
@@ -444,7 +444,7 @@ def build_real(script: ScriptArguments, config: PPOConfig, model_args: ModelArgu
     """Checkpoints and a prompt dataset; every check runs before the first large model is loaded."""
     from transformers import AutoConfig
 
-    from trl_ppo_ext.loading import load_actor_critic, load_reward_model
+    from trl_ppo_ext.models.loading import load_actor_critic, load_reward_model
 
     policy_source = _checked_source("--model_name_or_path", script.model_name_or_path)
     rm_source = _checked_source("--reward_model_path", config.reward_model_path)
@@ -581,7 +581,7 @@ PPO_SETTINGS = ("learning_rate", "total_episodes", "batch_size", "num_total_batc
 def build_summary(setup: Setup, trainer: PPOTrainer, before: Evaluation, after: Evaluation, *, script, model_args,
                   threads: int, times: dict) -> dict:
     """summary.json: the before/after numbers first, then every setting used."""
-    from trl_ppo_ext.manifest import package_versions
+    from trl_ppo_ext.run.manifest import package_versions
 
     config = trainer.args
     summary = {

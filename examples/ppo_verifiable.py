@@ -81,7 +81,7 @@ from verifiable_task import (  # noqa: E402
 
 from trl_ppo_ext import PPOConfig, PPOTrainer  # noqa: E402
 from trl_ppo_ext.data import render_prompts  # noqa: E402
-from trl_ppo_ext.manifest import package_versions, to_jsonable  # noqa: E402
+from trl_ppo_ext.run.manifest import package_versions, to_jsonable  # noqa: E402
 
 
 @dataclass
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     """SFT warm-up, PPO with reward functions, before/after evaluation; returns the summary."""
     from peft import LoraConfig
 
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
     from trl_ppo_ext.tiny import build_tiny_causal_lm
 
     start = time.perf_counter() if start_time is None else start_time

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from datasets import Dataset
 
-from trl_ppo_ext.policy_value import score_at
+from trl_ppo_ext.models.policy_value import score_at
 from trl_ppo_ext.tiny import SPECIAL_TOKENS, build_tiny_scorer, build_tiny_tokenizer
 
 NICE_WORDS = ("kind", "clear", "true", "calm", "warm", "bright", "fair", "safe", "wise", "glad")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from trl_ppo_ext import checkpointing as ckpt
-from trl_ppo_ext.checkpointing import (
+from trl_ppo_ext.run import checkpointing as ckpt
+from trl_ppo_ext.run.checkpointing import (
     atomic_checkpoint_dir,
     capture_rng_state,
     clean_temp_dirs,

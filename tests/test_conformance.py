@@ -36,7 +36,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
 from trl_ppo_ext import _compat
-from trl_ppo_ext.policy_value import (
+from trl_ppo_ext.models.policy_value import (
     PolicyAndValue,
     backbone_hidden,
     checkpointing_unsupported_reason,
@@ -48,7 +48,7 @@ from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer
 TRL_HAS_PPO = _compat.trl_has_ppo()
 # (set-up, variation) -> why TRL's own trainer fails there. Empty: TRL 1.12 trains every row.
 TRL_FAILS: dict[tuple[str, str], str] = {}
-LOGGER = "trl_ppo_ext.policy_value"
+LOGGER = "trl_ppo_ext.models.policy_value"
 
 
 def _checkpointing_warnings(messages):
@@ -112,7 +112,7 @@ def test_a_policy_that_cannot_checkpoint_is_named_as_the_policy(tok, caplog):
 def test_a_shared_actor_critic_on_a_base_that_cannot_checkpoint_warns_instead_of_raising(tok, caplog):
     from peft import LoraConfig
 
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     class NoSupportLM(type(build_tiny_causal_lm(tok))):
         supports_gradient_checkpointing = False

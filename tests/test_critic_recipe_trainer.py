@@ -15,8 +15,8 @@ from transformers import HfArgumentParser, TrainerCallback
 from trl_ppo_ext import PPOConfig, PPOTrainer
 from trl_ppo_ext import functional as F
 from trl_ppo_ext.critic_warmup import drop_policy_gradients, is_critic_parameter
-from trl_ppo_ext.modeling import SharedActorCritic
-from trl_ppo_ext.run_state import RunCounters
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.run.state import RunCounters
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

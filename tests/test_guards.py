@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trl_ppo_ext.guards import GUARD_NAMES, GuardDecision, GuardRails, GuardSettings
+from trl_ppo_ext.run.guards import GUARD_NAMES, GuardDecision, GuardRails, GuardSettings
 
 NAN = float("nan")
 

@@ -61,7 +61,7 @@ def test_the_import_graph_has_no_cycle():
         path = PACKAGE / relative / "__init__.py" if (PACKAGE / relative).is_dir() else PACKAGE / f"{relative}.py"
         graph[name] = _package_imports(path, name)
     assert graph["trl_ppo_ext.trainer"] >= {"trl_ppo_ext.advantages", "trl_ppo_ext.losses", "trl_ppo_ext.metrics",
-                                            "trl_ppo_ext.checkpointing"}  # the graph was read at all
+                                            "trl_ppo_ext.run.checkpointing"}  # the graph was read at all
     # depth-first search with colours; a grey module met again closes a cycle
     state, cycles = {}, []
 
@@ -78,3 +78,46 @@ def test_the_import_graph_has_no_cycle():
         if name not in state:
             visit(name, [name])
     assert cycles == [], f"import cycles: {cycles}"
+
+
+def _first_level(name: str) -> str:
+    """``trl_ppo_ext.rewards.text`` -> ``trl_ppo_ext.rewards``: a folder is one room."""
+    return ".".join(name.split(".")[:2])
+
+
+def _room_graph() -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for name in MODULES:
+        relative = Path(*name.split(".")[1:])
+        path = PACKAGE / relative / "__init__.py" if (PACKAGE / relative).is_dir() else PACKAGE / f"{relative}.py"
+        room = _first_level(name)
+        rooms.setdefault(room, set()).update(_first_level(t) for t in _package_imports(path, name))
+    for room, targets in rooms.items():
+        targets.discard(room)
+    return rooms
+
+
+def test_the_folders_import_one_way():
+    """Seen from the top, each folder (``generation``, ``models``, ``rewards``, ``run``) and each flat
+    module is one room, and arrows between rooms never make a circle: the families below the
+    pipeline never reach back up into it (the trainer, the rollout, the config, the metrics)."""
+    rooms = _room_graph()
+    assert rooms["trl_ppo_ext.trainer"] >= {"trl_ppo_ext.models", "trl_ppo_ext.rewards", "trl_ppo_ext.run"}
+    pipeline = {"trl_ppo_ext.trainer", "trl_ppo_ext.rollout", "trl_ppo_ext.config", "trl_ppo_ext.metrics",
+                "trl_ppo_ext.advantages", "trl_ppo_ext.losses"}
+    for family in ("generation", "models", "rewards", "run"):
+        assert rooms[f"trl_ppo_ext.{family}"] & pipeline == set(), family
+    order, seen = [], {}
+
+    def visit(room, stack):
+        seen[room] = "grey"
+        for nxt in sorted(rooms.get(room, ())):
+            assert seen.get(nxt) != "grey", f"rooms import each other: {stack[stack.index(nxt):] + [nxt]}"
+            if nxt not in seen:
+                visit(nxt, stack + [nxt])
+        seen[room] = "black"
+        order.append(room)
+
+    for room in sorted(rooms):
+        if room not in seen:
+            visit(room, [room])

@@ -109,7 +109,7 @@ def _self_calls(path: Path) -> set[str]:
     return calls
 
 
-@pytest.mark.parametrize("module", ["trainer.py", "checkpointing.py", "manifest.py", "_base.py"])
+@pytest.mark.parametrize("module", ["trainer.py", "run/checkpointing.py", "run/manifest.py", "_base.py"])
 def test_entry_points_cover_every_inherited_method_the_package_calls(module):
     calls = _self_calls(PACKAGE / module)
     inherited = {c for c in calls if (o := _owner(PPOTrainer, c)) is not None and _is_upstream(o)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import trl_ppo_ext
-from trl_ppo_ext.manifest import (
+from trl_ppo_ext.run.manifest import (
     build_manifest,
     dataset_identity,
     environment_identity,
@@ -174,7 +174,7 @@ def test_quantization_from_the_config(lm):
 
 
 def test_quantization_from_linear4bit_layers_counts_logical_parameters():
-    from trl_ppo_ext.quantization import import_bitsandbytes
+    from trl_ppo_ext.models.quantization import import_bitsandbytes
 
     try:
         bnb = import_bitsandbytes("the 4-bit manifest test")

@@ -39,8 +39,8 @@ def test_weight_bytes_by_hand():
 
 
 def test_nf4_bytes_match_a_bitsandbytes_layer(tmp_path):
-    from trl_ppo_ext.loading import load_reward_model
-    from trl_ppo_ext.quantization import linear4bit_modules
+    from trl_ppo_ext.models.loading import load_reward_model
+    from trl_ppo_ext.models.quantization import linear4bit_modules
     from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
 
     build_tiny_scorer(build_tiny_tokenizer(), hidden_size=128, intermediate_size=320).save_pretrained(tmp_path)
@@ -224,7 +224,7 @@ def _kept_bytes(model, autocast: bool, b=2, s=64) -> int:
 
 
 def _lora(model):
-    from trl_ppo_ext.modeling import SharedActorCritic, default_lora_config
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic, default_lora_config
 
     return SharedActorCritic(model, lora_config=default_lora_config(model, r=8))
 
@@ -272,7 +272,7 @@ def _quantize(model):
 
     from transformers import LlamaForCausalLM
 
-    from trl_ppo_ext.quantization import make_4bit_cpu_safe, nf4_quantization_config
+    from trl_ppo_ext.models.quantization import make_4bit_cpu_safe, nf4_quantization_config
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -356,7 +356,7 @@ def test_one_ppo_update_on_the_cpu_matches_the_model(make_trainer, make_prompts)
     measured generation peak was 5.4% above the model: buffers a process builds lazily),
     scoring over-predicted by at most 15% (on the CPU the fp32 logsumexp scratch rows the model
     counts are not seen)."""
-    from trl_ppo_ext.modeling import SharedActorCritic, default_lora_config
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic, default_lora_config
     from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, default_words
 
     dims = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)

@@ -1,4 +1,4 @@
-"""Tests for trl_ppo_ext.modeling (shared actor-critic, loaders) and trl_ppo_ext.quantization.
+"""Tests for trl_ppo_ext.models.actor_critic (shared actor-critic, loaders) and trl_ppo_ext.models.quantization.
 
 CPU only, tiny random Llama models built locally (trl_ppo_ext.tiny); 4-bit tests use the
 bitsandbytes CPU backend with hidden_size=64 (bnb quantizes in blocks of 64 inputs).
@@ -23,14 +23,14 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from trl_ppo_ext import quantization as quant
-from trl_ppo_ext.loading import load_actor_critic, load_reward_model
-from trl_ppo_ext.modeling import (
+from trl_ppo_ext.models import quantization as quant
+from trl_ppo_ext.models.actor_critic import (
     VALUE_HEAD_CONFIG,
     VALUE_HEAD_WEIGHTS,
     SharedActorCritic,
     default_lora_config,
 )
+from trl_ppo_ext.models.loading import load_actor_critic, load_reward_model
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, tiny_llama_config
 
 # peft 0.21 reads a property transformers 5 deprecated; not ours to fix.
@@ -613,7 +613,7 @@ def test_bitsandbytes_kernels_notice_is_silenced_but_other_warnings_are_not(capl
 
 
 def test_resolve_compute_dtype_is_fp32_on_cpu(caplog):
-    with caplog.at_level(logging.INFO, logger="trl_ppo_ext.quantization"):
+    with caplog.at_level(logging.INFO, logger="trl_ppo_ext.models.quantization"):
         assert [quant.resolve_compute_dtype(b, "cpu") for b in (True, False, None, True)] == [torch.float32] * 4
     assert len([r for r in caplog.records if "bf16=True is ignored" in r.getMessage()]) <= 1
 
@@ -657,27 +657,3 @@ def test_4bit_actor_critic_on_cuda_uses_bf16_and_trains(lm_dir, ids):
     assert values.dtype == torch.float32
     (values.sum() + logits.float().mean()).backward()
     assert model.value_head.weight.grad is not None
-
-
-def test_the_loaders_old_path_says_where_they_are_without_importing_loading():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "from trl_ppo_ext import modeling\n"
-        "try:\n"
-        "    modeling.load_actor_critic\n"
-        "except AttributeError as err:\n"
-        "    print(err)\n"
-        "print('trl_ppo_ext.loading' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    lines = out.stdout.strip().splitlines()
-    assert lines[0] == ("trl_ppo_ext.modeling.load_actor_critic moved to trl_ppo_ext.loading: use "
-                        "`from trl_ppo_ext.loading import load_actor_critic`.")
-    assert lines[1] == "False"  # modeling never imports loading: no import circle
-    from trl_ppo_ext import modeling
-
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        modeling.nope

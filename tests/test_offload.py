@@ -1,4 +1,4 @@
-"""Tests for trl_ppo_ext.offload: moving a frozen model on and off the GPU.
+"""Tests for trl_ppo_ext.models.offload: moving a frozen model on and off the GPU.
 
 The control flow is tested on the CPU with stand-in modules (CUDA availability patched);
 real transfers, including 4-bit bitsandbytes models, are in the ``gpu`` tests.
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from trl_ppo_ext.loading import load_reward_model
-from trl_ppo_ext.offload import module_devices, on_device
+from trl_ppo_ext.models.loading import load_reward_model
+from trl_ppo_ext.models.offload import module_devices, on_device
 from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -56,7 +56,7 @@ def pretend_cuda(monkeypatch):
 def test_without_cuda_it_is_a_no_op_logged_once(fresh_log_once, caplog):
     model = build_tiny_scorer(build_tiny_tokenizer())
     pointers = [p.data_ptr() for p in model.parameters()]
-    with caplog.at_level(logging.INFO, logger="trl_ppo_ext.offload"):
+    with caplog.at_level(logging.INFO, logger="trl_ppo_ext.models.offload"):
         for _ in range(2):
             with on_device(model, "cuda") as inside:
                 assert inside is model and module_devices(model) == {torch.device("cpu")}
@@ -84,7 +84,7 @@ def test_already_there_means_no_move(pretend_cuda):
 
 def test_unmovable_model_stays_put_with_one_warning(pretend_cuda, fresh_log_once, caplog):
     model = Unmovable()
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.offload"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.models.offload"):
         for _ in range(2):
             with on_device(model, "cuda") as inside:
                 assert inside is model and module_devices(model) == {torch.device("cpu")}
@@ -94,7 +94,7 @@ def test_unmovable_model_stays_put_with_one_warning(pretend_cuda, fresh_log_once
 
 def test_model_spread_over_devices_stays_put(pretend_cuda, fresh_log_once, caplog):
     model = nn.Sequential(RecordingLinear(), nn.Linear(2, 2, device="meta"))
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.offload"), on_device(model, "cuda"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.models.offload"), on_device(model, "cuda"):
         pass
     assert model[0].moves == []
     assert any("spread over" in r.getMessage() for r in caplog.records)

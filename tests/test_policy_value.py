@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from trl_ppo_ext.policy_value import PolicyAndValue, lm_logits
+from trl_ppo_ext.models.policy_value import PolicyAndValue, lm_logits
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trl_ppo_ext import PPOTrainer
-from trl_ppo_ext.preemption import InflightUpdate, SigtermWatcher, inflight_filename
+from trl_ppo_ext.run.preemption import InflightUpdate, SigtermWatcher, inflight_filename
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import LlamaForTokenClassification
 
-from trl_ppo_ext.process_reward import ProcessRewardModel, prm_steps_text, separator_positions, token_text_ends
+from trl_ppo_ext.rewards.process import ProcessRewardModel, prm_steps_text, separator_positions, token_text_ends
 from trl_ppo_ext.tiny import build_tiny_tokenizer, tiny_llama_config
 
 # build_tiny_tokenizer(): <pad> 0, <unk> 1, <bos> 2, <eos> 3, <user> 4, <assistant> 5, then w0 = 6 .. w39 = 45
@@ -170,8 +170,8 @@ def test_a_real_token_classifier_scores_as_a_direct_call():
 
 
 def test_token_classifiers_among_the_rewards_become_process_reward_functions():
-    from trl_ppo_ext.process_reward import is_token_classifier, with_process_reward_models
-    from trl_ppo_ext.rewards import build_rewards
+    from trl_ppo_ext.rewards.process import is_token_classifier, with_process_reward_models
+    from trl_ppo_ext.rewards.scoring import build_rewards
     from trl_ppo_ext.tiny import build_tiny_scorer
 
     policy, theirs = build_tiny_tokenizer(), build_tiny_tokenizer(REVERSED)

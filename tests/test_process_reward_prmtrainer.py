@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from trl_ppo_ext.process_reward import ProcessRewardModel
+from trl_ppo_ext.rewards.process import ProcessRewardModel
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 TRL112_PYTHON = Path("/work/venv112/bin/python")

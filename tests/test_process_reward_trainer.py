@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForSequenceClassification, LlamaForTokenClassification
 
-from trl_ppo_ext.process_reward import ProcessRewardModel
+from trl_ppo_ext.rewards.process import ProcessRewardModel
 from trl_ppo_ext.tiny import build_tiny_tokenizer, tiny_llama_config
 
 

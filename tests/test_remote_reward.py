@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trl_ppo_ext.rewards import RemoteRewardError, remote_reward  # the public path
+from trl_ppo_ext.rewards.scoring import RemoteRewardError, remote_reward  # the public path
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 FAST = dict(timeout=0.2, backoff=0.0)
@@ -248,7 +248,7 @@ def test_extra_logs_reach_log_metric_as_means_over_the_completions(server, caplo
     server.script = ["extras"] * 3
     fn = remote_reward(server.url, batch_size=2, name="judge", **FAST)  # 3 requests: 2 + 2 + 1 completions
     logged = []
-    with caplog.at_level("WARNING", logger="trl_ppo_ext.remote"):
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.rewards.remote"):
         assert call(fn, PROMPTS, COMPLETIONS, log_metric=lambda n, v: logged.append((n, v))) == EXPECTED
     # per completion (3, 3, 4, 4, 3 words): their mean; one number per reply: counted once per reply
     assert sorted(logged) == [("rewards/judge/version", 3.0), ("rewards/judge/words", sum(EXPECTED) / 5)]

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from trl_ppo_ext.rewards import RemoteRewardError, Reward, evaluate_rewards_per_token, remote_reward
+from trl_ppo_ext.rewards.scoring import RemoteRewardError, Reward, evaluate_rewards_per_token, remote_reward
 
 
 class TokenServer:

@@ -20,8 +20,8 @@ import torch
 from peft import LoraConfig
 
 from trl_ppo_ext import PPOConfig, PPOTrainer
-from trl_ppo_ext.checkpointing import isolated_rng
-from trl_ppo_ext.modeling import SharedActorCritic
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.run.checkpointing import isolated_rng
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, random_word_prompts
 
 UPDATES = 3  # total_episodes 12 / batch 4; 10 prompts = 2 batches per epoch, so update 3 starts epoch 2

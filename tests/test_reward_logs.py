@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trl_ppo_ext.reward_logs import RewardLogs
+from trl_ppo_ext.rewards.logs import RewardLogs
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 

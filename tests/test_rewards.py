@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from trl_ppo_ext.data import PromptCollator
-from trl_ppo_ext.rewards import (
+from trl_ppo_ext.rewards.scoring import (
     Reward,
     build_rewards,
     call_functions,
@@ -69,7 +69,7 @@ def test_evaluate_rewards_weights_a_model_and_a_function_over_what_applies():
 
 def test_evaluate_rewards_warns_when_no_reward_applies_and_builds_no_kwargs_without_functions(caplog):
     rewards = build_rewards(None, [lambda completions, **kw: [None, 3.0]], None)
-    with caplog.at_level("WARNING", logger="trl_ppo_ext.rewards"):
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.rewards.scoring"):
         scores, _, applies = evaluate_rewards(rewards, None, lambda: {"completions": ["a", "b"]}, 2, 1, "cpu")
     assert scores.tolist() == [0.0, 3.0] and applies.tolist() == [[False], [True]]
     assert any("1 of 2 completions got no reward" in r.getMessage() for r in caplog.records)

@@ -12,7 +12,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trl_ppo_ext import PPOTrainer
-from trl_ppo_ext.reward_text import (
+from trl_ppo_ext.rewards.text import (
     TextRewardModel,
     completion_texts,
     resolve_reward_tokenizer,
@@ -194,7 +194,7 @@ def test_text_reward_model_names_and_arguments():
 
 
 def test_reward_tokenizers_are_attached_to_the_models_that_need_them(policy_tok):
-    from trl_ppo_ext.rewards import build_rewards, with_reward_tokenizers
+    from trl_ppo_ext.rewards.scoring import build_rewards, with_reward_tokenizers
 
     rm_tok = char_tokenizer()
     same_rm, char_rm = build_tiny_scorer(policy_tok), build_tiny_scorer(rm_tok)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_ppo_ext import functional as F
-from trl_ppo_ext.rewards import is_token_level, process_rewards, separator_ends, token_rewards
+from trl_ppo_ext.rewards.scoring import is_token_level, process_rewards, separator_ends, token_rewards
 
 # rows of 4 tokens with 3, 2, 4 and 0 valid ones
 MASK = torch.tensor([[True, True, True, False],
@@ -143,7 +143,7 @@ def test_process_rewards_check_their_shapes_and_label():
 
 # ---------------------------------------------------------------- several rewards, some per token
 def test_token_level_functions_go_to_token_rewards_and_the_rest_to_scores():
-    from trl_ppo_ext.rewards import Reward, evaluate_rewards, evaluate_rewards_per_token
+    from trl_ppo_ext.rewards.scoring import Reward, evaluate_rewards, evaluate_rewards_per_token
     from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer
 
     rm = build_tiny_scorer(build_tiny_tokenizer())
@@ -175,7 +175,7 @@ def test_token_level_functions_go_to_token_rewards_and_the_rest_to_scores():
 
 
 def test_a_bad_per_token_output_names_the_function():
-    from trl_ppo_ext.rewards import Reward, evaluate_rewards_per_token
+    from trl_ppo_ext.rewards.scoring import Reward, evaluate_rewards_per_token
 
     bad = [Reward("steps", lambda completions, **kw: [[(5, 1.0)]], 1.0)]
     with pytest.raises(ValueError, match=r"Reward 'steps' placed a reward on token index 5 of completion 0, which has "

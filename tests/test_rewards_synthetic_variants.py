@@ -101,7 +101,7 @@ def test_variants_are_declared_per_task(se):
 
 
 def test_other_vocab_tokenizer_gives_every_word_another_id(se, task):
-    from trl_ppo_ext.reward_text import same_vocabulary
+    from trl_ppo_ext.rewards.text import same_vocabulary
 
     other = se.other_vocab_tokenizer()
     words = [w for w in task.tokenizer.get_vocab() if not w.startswith("<")]

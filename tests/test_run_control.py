@@ -235,7 +235,7 @@ def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_pa
     state.update(world_size=2, batch_size=8, data_cursor={"epoch": 0, "batches": 1})
     (ckpt / "ppo_state.json").write_text(json.dumps(state))
     resumed = make_run(total_episodes=16, adaptive_kl=True, kl_target=0.01, kl_horizon=100)
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.run.checkpointing"):
         resumed._load_checkpoint(str(ckpt))
     assert any("2 process(es) and this run has 1" in r.getMessage() and "NOT bit-exact" in r.getMessage()
                for r in caplog.records)
@@ -258,7 +258,7 @@ def test_resume_on_another_process_count_warns_and_carries_the_state_over(tmp_pa
 def test_deepspeed_checkpoints_refuse_another_setup_by_name():
     from types import SimpleNamespace
 
-    from trl_ppo_ext.checkpointing import CheckpointMixin
+    from trl_ppo_ext.run.checkpointing import CheckpointMixin
 
     def run(world, stage):
         plugin = None if stage is None else SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}})
@@ -334,7 +334,7 @@ def test_a_halt_is_announced_once(make_run, capsys, caplog):
 def test_eval_kl_uses_the_configured_estimator(make_run, make_prompts):
     """eval/kl is the mean over held-out prompts of sum_t k3(t) with k3 = exp(logr) - 1 - logr,
     logr = log pi_ref - log pi, computed here from the same samples (same seed)."""
-    from trl_ppo_ext.checkpointing import isolated_rng
+    from trl_ppo_ext.run.checkpointing import isolated_rng
     from trl_ppo_ext.tiny import build_tiny_causal_lm
 
     tok = build_tiny_tokenizer(pad_equals_eos=True)

@@ -2,7 +2,7 @@
 
 from dataclasses import fields
 
-from trl_ppo_ext.run_state import RunCounters
+from trl_ppo_ext.run.state import RunCounters
 
 
 def test_counters_round_trip_through_their_state_dict():

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).parent
-TEST_MODULES = sorted(TESTS.glob("test_*.py"))
+TEST_MODULES = sorted(TESTS.rglob("test_*.py"))
 SCRIPTS = sorted((TESTS / "scripts").glob("*.py"))
 EVERY_FILE = TEST_MODULES + [TESTS / "conftest.py"] + SCRIPTS
 MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "deque", "OrderedDict", "Counter"}

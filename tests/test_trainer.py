@@ -88,7 +88,7 @@ def test_generation_gives_a_sampled_batch_and_scoring_reads_each_model_on_it(mak
     to score yet); scoring fills each field from its own model, checked here against each model
     called directly on the whole batch (the trainer scores in chunks of 3)."""
     from trl_ppo_ext import functional as F
-    from trl_ppo_ext.policy_value import backbone_hidden, lm_logits, scalar_head, score_at
+    from trl_ppo_ext.models.policy_value import backbone_hidden, lm_logits, scalar_head, score_at
     from trl_ppo_ext.rollout import SampledBatch
 
     tok = build_tiny_tokenizer(pad_equals_eos=True)

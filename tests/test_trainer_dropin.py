@@ -100,7 +100,7 @@ def test_a_saved_policy_keeps_the_dropout_of_its_config(make_trainer, make_model
 
 
 def test_a_value_adapter_stays_trainable_and_trains(make_trainer, tok):
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(**LORA),
                               value_lora_config=LoraConfig(**LORA))
@@ -118,7 +118,7 @@ def test_a_value_adapter_holds_under_trls_default_checkpointing(tmp_path, make_t
     """gradient_checkpointing=True (TRL's default) is applied to a shared actor-critic with a
     value adapter -- it used to be skipped with a warning -- and the run ends on the same weights
     as one without checkpointing: each layer recomputed under the adapter it ran forward with."""
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     final = {}
     for checkpointing in (False, True):
@@ -186,7 +186,7 @@ def test_temperature_zero_trains_near_greedily(make_trainer):
 def test_a_lora_adapter_on_the_embedding_trains(make_trainer, tok):
     """peft wraps a LoRA'd embedding in a module without `num_embeddings`; the rollout reads the rows
     of the wrapped embedding to pick an in-range pad id."""
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM"))

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 
 from trl_ppo_ext import PPOTrainer
-from trl_ppo_ext.policy_value import scalar_head
+from trl_ppo_ext.models.policy_value import scalar_head
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -37,7 +37,7 @@ def test_gradient_checkpointing_on_the_shared_actor_critic_trains(make_trainer, 
 def test_reentrant_checkpointing_with_a_value_adapter_is_refused_with_its_reason(make_trainer, tok, caplog):
     """The default (non-reentrant) checkpointing holds with a value adapter (tests/test_trainer_dropin.py);
     reentrant checkpointing cannot recompute under the right adapter: the run goes on without it."""
-    from trl_ppo_ext.modeling import SharedActorCritic
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(**LORA),
                               value_lora_config=LoraConfig(**LORA))
@@ -72,7 +72,7 @@ def test_value_head_is_fp32_under_autocast():
 def test_half_precision_trainable_weights_are_warned_about(make_trainer, make_models, tok, caplog):
     policy, ref, value, reward = make_models(tok)
     policy.to(torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.modeling"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.models.actor_critic"):
         make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     assert any("torch.bfloat16" in r.getMessage() and "torch_dtype=torch.float32" in r.getMessage()
                for r in caplog.records)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from trl_ppo_ext.modeling import SharedActorCritic
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
 
@@ -87,7 +87,7 @@ def test_reference_logprobs_equal_the_untouched_base(make_trainer):
 
 def test_4bit_base_trains_one_ppo_step(tmp_path, make_trainer, assert_metrics):
     pytest.importorskip("bitsandbytes")
-    from trl_ppo_ext.loading import load_actor_critic
+    from trl_ppo_ext.models.loading import load_actor_critic
 
     tok = build_tiny_tokenizer()
     base_dir = tmp_path / "base"

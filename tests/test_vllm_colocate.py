@@ -25,7 +25,7 @@ from trl_ppo_ext.functional import logprobs_from_logits
 from trl_ppo_ext.generation.arguments import vllm_installed
 from trl_ppo_ext.generation.base import SamplingSettings, sample_responses
 from trl_ppo_ext.generation.mismatch import sampling_correction
-from trl_ppo_ext.policy_value import lm_logits
+from trl_ppo_ext.models.policy_value import lm_logits
 from trl_ppo_ext.rollout import finalize_responses, response_logits, sequence_inputs
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 

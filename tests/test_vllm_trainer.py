@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig
 
 from trl_ppo_ext.generation.arguments import vllm_installed
-from trl_ppo_ext.modeling import SharedActorCritic
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (see docs/vllm.md)")

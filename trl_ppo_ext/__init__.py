@@ -1,6 +1,13 @@
 """trl-ppo-ext: a drop-in PPOTrainer for TRL with correct token-level PPO math.
 
     from trl_ppo_ext import PPOConfig, PPOTrainer   # instead of trl.experimental.ppo
+
+The names a user needs are importable from here (loaded on first use, so that
+``import trl_ppo_ext.functional`` stays light):
+
+>>> import trl_ppo_ext
+>>> sorted(trl_ppo_ext.__all__)[:4]
+['PPOConfig', 'PPOTrainer', 'PolicyAndValue', 'ProcessRewardModel']
 """
 
 import importlib
@@ -15,10 +22,19 @@ check_trl_version()
 _LAZY = {
     "PPOConfig": ".config",
     "PPOTrainer": ".trainer",
+    "SharedActorCritic": ".models.actor_critic",
+    "PolicyAndValue": ".models.policy_value",
+    "default_lora_config": ".models.actor_critic",
+    "load_actor_critic": ".models.loading",
+    "load_reward_model": ".models.loading",
+    "ProcessRewardModel": ".rewards.process",
+    "remote_reward": ".rewards.remote",
+    "RemoteRewardError": ".rewards.remote",
+    "render_prompts": ".data",
     "functional": None,
 }
 
-__all__ = ["PPOConfig", "PPOTrainer", "functional", "TRL_MIN", "TRL_MAX", "__version__"]
+__all__ = [*_LAZY, "TRL_MIN", "TRL_MAX", "__version__"]
 
 
 def __getattr__(name):

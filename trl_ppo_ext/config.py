@@ -25,8 +25,8 @@ from ._utils import optional_number_from_text
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
-from .guards import GuardSettings
-from .preemption import ON_SIGTERM_CHOICES
+from .run.guards import GuardSettings
+from .run.preemption import ON_SIGTERM_CHOICES
 
 # Critic-recipe fields (issue 21) that None turns off; on the command line they arrive as text.
 RECIPE_OPTIONAL_FLOATS = (
@@ -43,7 +43,7 @@ def _bf16_available() -> bool:
 @dataclass
 class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
     r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
-    guard-rail thresholds of [`trl_ppo_ext.guards.GuardSettings`] (``nonfinite_halt_after``,
+    guard-rail thresholds of [`trl_ppo_ext.run.guards.GuardSettings`] (``nonfinite_halt_after``,
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
     TRL GRPO's vLLM fields of [`trl_ppo_ext.generation.arguments.VLLMArguments`] (``use_vllm``,
     ``vllm_mode``, ``vllm_importance_sampling_correction``, ...; see docs/vllm.md), plus:

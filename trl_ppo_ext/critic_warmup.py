@@ -19,7 +19,7 @@ Example:
 
 >>> from types import SimpleNamespace
 >>> from trl_ppo_ext.critic_warmup import record_update, warming
->>> from trl_ppo_ext.run_state import RunCounters
+>>> from trl_ppo_ext.run.state import RunCounters
 >>> args, counters = SimpleNamespace(critic_warmup_steps=3, critic_warmup_explained_variance=0.5), RunCounters()
 >>> [warming(args, counters), record_update(args, counters, explained_variance=0.1), warming(args, counters)]
 [True, True, True]
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .modeling import VALUE_ADAPTER_NAME
+from .models.actor_critic import VALUE_ADAPTER_NAME
 
 
 def warming(args, counters) -> bool:

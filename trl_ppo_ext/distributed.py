@@ -1,22 +1,21 @@
 """Running on several processes: the process group of a CPU-only DeepSpeed launch, the
-DeepSpeed settings that PPO owns, ZeRO-3 parameter gathering, and where the frozen models go.
+DeepSpeed settings that PPO owns, and where the frozen models go (ZeRO's sharded parameters:
+:mod:`trl_ppo_ext.models.sharding`).
 
 Nothing here imports DeepSpeed unless DeepSpeed is in use: it is an optional extra
 (``pip install trl-ppo-ext[deepspeed]``).
 
 Example:
 
->>> from types import SimpleNamespace
->>> from trl_ppo_ext.distributed import zero_stage
->>> print(zero_stage(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))))  # no DeepSpeed
-None
+>>> from trl_ppo_ext.distributed import launched_world_size
+>>> launched_world_size() >= 1
+True
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -77,14 +76,6 @@ def process_state():
 
 
 # ---------------------------------------------------------------------- DeepSpeed config
-def zero_stage(accelerator) -> int | None:
-    """The ZeRO stage of a DeepSpeed run, None without DeepSpeed."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return None
-    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
-
-
 def configure_deepspeed(accelerator, args, plan) -> None:
     """Fill the DeepSpeed settings PPO owns and refuse values that contradict the run.
 
@@ -123,35 +114,6 @@ def configure_deepspeed(accelerator, args, plan) -> None:
             )
 
 
-# ---------------------------------------------------------------------- ZeRO-3 parameters
-def is_zero3_param(param: torch.Tensor) -> bool:
-    """A parameter partitioned by ZeRO-3 (its ``.data`` is a placeholder outside a gather)."""
-    return hasattr(param, "ds_id")
-
-
-def gathered(params):
-    """Context in which ZeRO-3-partitioned ``params`` hold their full values on every process
-    (a collective: every process must enter it). A no-op for ordinary parameters."""
-    params = [p for p in params if is_zero3_param(p)]
-    if not params:
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
-def full_state(named_params, keep: bool) -> dict[str, torch.Tensor]:
-    """``{name: CPU copy}`` of ``named_params``, gathered one at a time under ZeRO-3 (so no
-    process ever holds more than one extra full parameter). Every process must call it;
-    those with ``keep=False`` get an empty dict."""
-    out = {}
-    for name, param in named_params:
-        with gathered([param]):
-            if keep:
-                out[name] = param.detach().cpu().clone()
-    return out
-
-
 # ---------------------------------------------------------------------- frozen models
 def prepare_frozen_model(model: nn.Module, accelerator, prepare_deepspeed) -> nn.Module:
     """The reference or reward model under DeepSpeed: a DeepSpeed inference engine (ZeRO-3:
@@ -160,7 +122,7 @@ def prepare_frozen_model(model: nn.Module, accelerator, prepare_deepspeed) -> nn
     and reference log-probs are taken alike), as TRL does. A 4-bit model stays as it is:
     DeepSpeed cannot shard or cast bitsandbytes weights, and quantized it is small already.
     """
-    from .quantization import is_4bit_model
+    from .models.quantization import is_4bit_model
 
     if is_4bit_model(model):
         logger.info("A 4-bit %s is kept unsharded on its device under DeepSpeed.", type(model).__name__)

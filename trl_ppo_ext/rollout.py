@@ -30,7 +30,7 @@ import torch
 from transformers import GenerationConfig
 
 from . import functional as F
-from .policy_value import lm_logits, score_at
+from .models.policy_value import lm_logits, score_at
 
 
 @dataclass(kw_only=True)

@@ -44,13 +44,11 @@ from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
-from . import checkpointing as ckpt
 from . import critic_warmup
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
 from .advantages import PPOTargets, compute_targets, target_settings
 from .batching import BatchPlan
-from .checkpointing import CheckpointMixin, clean_temp_dirs
 from .config import PPOConfig
 from .data import PromptCollator
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
@@ -58,10 +56,8 @@ from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE
 from .generation.mismatch import importance_sampling_weights
 from .gradients import clip_grad_norm_
-from .guards import GuardDecision, GuardRails
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
-from .manifest import ManifestMixin
 from .metrics import (
     evaluation_row,
     reward_statistics,
@@ -70,21 +66,20 @@ from .metrics import (
     update_metrics,
     user_metric_rows,
 )
-from .modeling import (
+from .models.offload import on_device
+from .models.policy_value import PolicyAndValue
+from .models.prepare import (
     disable_dropout,
     embedding_rows,
     scalar_head_outputs,
     strip_fp32_output_wrapper,
     warn_low_precision_trainables,
 )
-from .offload import on_device
-from .policy_value import PolicyAndValue
-from .preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
-from .process_reward import ProcessRewardModel, with_process_reward_models
-from .quantization import is_4bit_model, make_4bit_cpu_safe
-from .reward_logs import RewardLogs
-from .reward_text import completion_texts, reward_texts, score_texts
-from .rewards import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
+from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+from .rewards.logs import RewardLogs
+from .rewards.process import ProcessRewardModel, with_process_reward_models
+from .rewards.scoring import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
+from .rewards.text import completion_texts, reward_texts, score_texts
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -104,7 +99,12 @@ from .rollout import (
     stop_token_ids,
     valid_token_ids,
 )
-from .run_state import RunCounters
+from .run import checkpointing as ckpt
+from .run.checkpointing import CheckpointMixin, clean_temp_dirs
+from .run.guards import GuardDecision, GuardRails
+from .run.manifest import ManifestMixin
+from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
+from .run.state import RunCounters
 from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
@@ -399,7 +399,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 )
             wrapper = model
         elif value_model is None:
-            from .modeling import SharedActorCritic
+            from .models.actor_critic import SharedActorCritic
 
             if peft_config is None and not isinstance(model, PeftModel):
                 raise ValueError(
@@ -867,7 +867,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         ``rollout.forward_chunks``, made here when not given), or through text when their
         vocabulary is not the policy's (:meth:`reward_text_scores`); functions get the whole
         batch at once and may return per completion a number, ``(token_index, reward)`` pairs
-        or one value per token (see ``trl_ppo_ext.rewards.evaluate_rewards_per_token``).
+        or one value per token (see ``trl_ppo_ext.rewards.scoring.evaluate_rewards_per_token``).
 
         Returns:
             ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool, token_rewards

@@ -36,7 +36,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import BaseModelOutput
 
-from trl_ppo_ext.policy_value import is_checkpointing
+from trl_ppo_ext.models.policy_value import is_checkpointing
 from trl_ppo_ext.tiny import build_tiny_tokenizer, random_word_prompts
 
 HIDDEN, LAYERS, HEADS = 32, 2, 4

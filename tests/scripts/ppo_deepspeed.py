@@ -44,8 +44,8 @@ from tiny_setup import (  # beside this file
 )
 
 from trl_ppo_ext import PPOTrainer
-from trl_ppo_ext.distributed import full_state, zero_stage
-from trl_ppo_ext.modeling import SharedActorCritic
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.models.sharding import full_state, zero_stage
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 

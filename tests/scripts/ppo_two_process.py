@@ -20,7 +20,7 @@ from tiny_setup import (  # beside this file
 )
 
 from trl_ppo_ext import PPOTrainer
-from trl_ppo_ext.modeling import VALUE_ADAPTER_NAME, SharedActorCritic
+from trl_ppo_ext.models.actor_critic import VALUE_ADAPTER_NAME, SharedActorCritic
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 

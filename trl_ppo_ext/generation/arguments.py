@@ -7,6 +7,12 @@ means the same here. ``PPOConfig`` inherits this dataclass and calls its ``__pos
 TRL fields left out, and why: ``vllm_model_impl`` (the vLLM implementation is the one whose
 log-probs were measured against transformers), ``vllm_structured_outputs_regex`` (constrained
 decoding changes the sampling distribution that ``log pi_old`` is computed under).
+
+Example:
+
+>>> from trl_ppo_ext.generation.arguments import VLLMArguments
+>>> VLLMArguments(use_vllm=False).vllm_mode
+'colocate'
 """
 
 from __future__ import annotations

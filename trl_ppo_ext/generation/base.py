@@ -7,6 +7,14 @@ temperature), and it receives the policy's weights whenever they changed
 updates behind the weights).
 
 Notation: ``B`` prompts, ``P`` prompt positions (left padded), ``T`` response positions.
+
+Example:
+
+>>> import torch
+>>> from trl_ppo_ext.generation.base import prompt_token_lists
+>>> queries = torch.tensor([[0, 5, 6], [7, 8, 9]])           # left padded with 0
+>>> prompt_token_lists(queries, queries != 0)
+[[5, 6], [7, 8, 9]]
 """
 
 from __future__ import annotations

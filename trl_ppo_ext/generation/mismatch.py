@@ -11,6 +11,16 @@ brings you off-policy RL training").
 Notation: ``B`` sequences, ``T`` response tokens; ``(B, T)`` float log-probs; bool
 ``response_mask`` True = the token counts. Engine log-probs may hold NaN where the engine gave
 none; such tokens are left out of the statistics and get weight 1 (no correction).
+
+Example:
+
+>>> import torch
+>>> from trl_ppo_ext.generation.mismatch import logp_difference_stats
+>>> old = torch.tensor([[-1.0, -2.0, -3.0]])
+>>> engine = torch.tensor([[-1.5, float("nan"), -3.25]])     # no engine log-prob for token 2
+>>> stats = logp_difference_stats(old, engine, torch.tensor([[True, True, True]]))
+>>> [round(v.item(), 3) for v in stats.values()]              # mean, max over tokens 1 and 3
+[0.375, 0.5]
 """
 
 from __future__ import annotations

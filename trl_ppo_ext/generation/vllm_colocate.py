@@ -13,6 +13,12 @@ Environment set here when unset: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engin
 process: no spawned engine process, tensors passed by reference). Several training processes
 each run their own engine with vLLM's ``external_launcher`` (as TRL GRPO does). On a CPU, set
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or the KV cache takes ``gpu_memory_utilization`` of the RAM.
+
+Example (no vLLM needed: the rank vLLM is asked to hold for a LoRA policy of rank 12):
+
+>>> from trl_ppo_ext.generation.vllm_colocate import engine_lora_rank
+>>> engine_lora_rank(12)
+16
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import tempfile
 import torch
 from torch import nn
 
-from ..quantization import is_4bit_model
+from ..models.quantization import is_4bit_model
 from .arguments import require_vllm
 from .base import EngineSamples, GenerationEngine, SamplingSettings, check_vllm_temperature, request_seeds
 from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy_adapter, write_checkpoint

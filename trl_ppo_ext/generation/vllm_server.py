@@ -11,6 +11,12 @@ Weights go as TRL sends them: through TRL's ``VLLMClient`` over vLLM's NCCL weig
 engine (the server started with ``--weight-transfer-config '{"backend": "nccl"}'``, as
 ``trl vllm-serve`` does); that needs CUDA on the trainer's side. A LoRA policy goes as merged
 weights of its policy adapter.
+
+Example (no server needed: the error an HTTP error status becomes):
+
+>>> from trl_ppo_ext.generation.vllm_server import ServerError
+>>> issubclass(ServerError, RuntimeError)
+True
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ Three forms, chosen per policy:
   (:func:`adapter_sync_refusal`).
 
 A value adapter and a value head are never part of any of them.
+
+Example:
+
+>>> from torch import nn
+>>> from trl_ppo_ext.generation.weights import policy_weights
+>>> [name for name, _ in policy_weights(nn.Linear(2, 1))]
+['weight', 'bias']
 """
 
 from __future__ import annotations

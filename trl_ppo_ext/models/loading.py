@@ -1,6 +1,6 @@
 """Loading the models of a PPO run from a local directory or the Hub, plain or 4-bit (nf4).
 
-``load_actor_critic`` builds the shared-backbone actor-critic of ``trl_ppo_ext.modeling``
+``load_actor_critic`` builds the shared-backbone actor-critic of ``trl_ppo_ext.models.actor_critic``
 (a LoRA policy and a value head on one frozen base); ``load_reward_model`` a frozen
 sequence classifier. Both take ``load_in_4bit=True`` for a bitsandbytes nf4 base (bf16
 compute on CUDA, fp32 on the CPU). Kept apart from the model classes as PEFT keeps its
@@ -8,7 +8,7 @@ quantized variants apart (``bnb.py``).
 
 Example:
 
->>> from trl_ppo_ext.loading import resolve_model_source
+>>> from trl_ppo_ext.models.loading import resolve_model_source
 >>> resolve_model_source("Qwen/Qwen2.5-0.5B")  # a Hub id is passed on; a local folder must exist
 'Qwen/Qwen2.5-0.5B'
 """
@@ -21,7 +21,7 @@ import re
 import torch
 from torch import nn
 
-from .modeling import SharedActorCritic, default_lora_config
+from .actor_critic import SharedActorCritic, default_lora_config
 from .quantization import import_bitsandbytes, make_4bit_cpu_safe, nf4_quantization_config, resolve_compute_dtype
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ._utils import log_once
+from .._utils import log_once
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ device-to-host copy of the weights (a 7B model is about 4 GB in nf4, 14 GB in bf
 Example:
 
 >>> from torch import nn
->>> from trl_ppo_ext.offload import module_devices
+>>> from trl_ppo_ext.models.offload import module_devices
 >>> module_devices(nn.Linear(2, 2))
 {device(type='cpu')}
 """
@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ._utils import log_once
+from .._utils import log_once
 from .quantization import is_4bit_model, make_4bit_cpu_safe
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ paths, sets, tensors and config objects; NaN/inf become strings, so the file is 
 Example:
 
 >>> import torch
->>> from trl_ppo_ext.manifest import to_jsonable
+>>> from trl_ppo_ext.run.manifest import to_jsonable
 >>> to_jsonable({"kl": torch.tensor(0.5), "steps": (1, 2)})
 {'kl': 0.5, 'steps': [1, 2]}
 """
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._utils import load_json, save_json
+from .._utils import load_json, save_json
 
 MANIFEST_FILENAME = "run_manifest.json"
 FORMAT_VERSION = 1
@@ -164,7 +164,7 @@ def _parameter_summary(model: nn.Module) -> dict:
 
 def _quantization(model: nn.Module, config) -> dict | None:
     """``config.quantization_config`` if set, else the bitsandbytes 4-bit layers found, else None."""
-    from .quantization import linear4bit_modules
+    from ..models.quantization import linear4bit_modules
 
     quant_config = getattr(config, "quantization_config", None)
     if quant_config is not None:
@@ -329,7 +329,7 @@ def package_versions() -> dict[str, str | None]:
     """Installed versions of TRL, transformers, peft, accelerate, bitsandbytes, torch, datasets
     (None when not installed; read from package metadata, nothing is imported), trl-ppo-ext,
     Python, and the CUDA version torch was built with (None for a CPU build)."""
-    from ._version import __version__
+    from .._version import __version__
 
     versions: dict[str, str | None] = {}
     for name in PACKAGES:
@@ -420,7 +420,7 @@ def build_manifest(
     if not isinstance(models, Mapping) or not all(isinstance(v, Mapping) for v in models.values()):
         raise TypeError(
             f"models must map role -> model_identity(...) dict, got {type(models).__name__}. "
-            "Build each entry with trl_ppo_ext.manifest.model_identity(model, role)."
+            "Build each entry with trl_ppo_ext.run.manifest.model_identity(model, role)."
         )
     return to_jsonable({
         "format_version": FORMAT_VERSION,

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .functional import last_valid_index
-from .modeling import embedding_rows
-from .policy_value import backbone_hidden, scalar_head
+from ..functional import last_valid_index
+from ..models.policy_value import backbone_hidden, scalar_head
+from ..models.prepare import embedding_rows
 
 logger = logging.getLogger(__name__)
 

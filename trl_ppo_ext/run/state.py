@@ -1,13 +1,11 @@
 """The run's own state beyond transformers' ``TrainerState``: :class:`RunCounters` (where the
 run is in the data, what went wrong), saved in ``ppo_state.json`` as a unit.
 
-Saving and loading a run is ``trl_ppo_ext.checkpointing``. Its names that used to live here
-(``CheckpointMixin``, ``load_checkpoint_file``, ``UnsafeCheckpointError``, the checkpoint file
-names) are still importable from this module.
+Saving and loading a run is :mod:`trl_ppo_ext.run.checkpointing`.
 
 Example:
 
->>> from trl_ppo_ext.run_state import RunCounters
+>>> from trl_ppo_ext.run.state import RunCounters
 >>> RunCounters(epoch=1, batches=3).state_dict()["data_cursor"]
 {'epoch': 1, 'batches': 3}
 """
@@ -52,17 +50,3 @@ class RunCounters:
         self.critic_warmup_updates = int(counters.get("critic_warmup_updates", 0))
         self.critic_warmup_over = bool(counters.get("critic_warmup_over", False))
 
-
-# Old import paths (these lived here before checkpointing.py); imported last, so that
-# checkpointing never needs this module and the import graph stays one way.
-from .checkpointing import (  # noqa: E402, F401
-    CHECKPOINT_FILES,
-    DEEPSPEED_STATE,
-    OPTIMIZER,
-    PPO_STATE,
-    SCHEDULER,
-    TRAINABLE_STATE,
-    CheckpointMixin,
-    UnsafeCheckpointError,
-    load_checkpoint_file,
-)

@@ -14,7 +14,7 @@ resumed run finishes that update exactly as the uninterrupted run would have.
 
 Example:
 
->>> from trl_ppo_ext.preemption import inflight_filename
+>>> from trl_ppo_ext.run.preemption import inflight_filename
 >>> inflight_filename(1)  # the update a SIGTERM interrupted, as process 1 saves it
 'inflight_update_1.pt'
 """

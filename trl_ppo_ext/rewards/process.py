@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .rewards import processing_class_entries, separator_ends
+from .scoring import processing_class_entries, separator_ends
 
 __all__ = ["ProcessRewardModel", "is_token_classifier", "prm_steps_text", "separator_positions", "token_text_ends",
            "with_process_reward_models"]
@@ -68,7 +68,7 @@ class ProcessRewardModel:
     def __init__(self, model, policy_tokenizer, reward_tokenizer=None, step_separator: str = "\n",
                  positive_label: int = 1, final_step: bool = True, through_text: bool = False, batch_size: int = 8,
                  name: str | None = None):
-        from .reward_text import resolve_reward_tokenizer
+        from .text import resolve_reward_tokenizer
 
         labels = getattr(getattr(model, "config", None), "num_labels", None)
         if not isinstance(labels, int) or labels < 2:

@@ -1,4 +1,4 @@
-"""Shared-backbone actor-critic for PPO on one GPU (the loaders are in ``trl_ppo_ext.loading``).
+"""Shared-backbone actor-critic for PPO on one GPU (the loaders are in ``trl_ppo_ext.models.loading``).
 
 TRL's PPO keeps four full models (policy, reference, value model, reward model); at 7B
 that does not fit one GPU. Here policy, reference and critic share ONE frozen base:
@@ -9,8 +9,8 @@ that does not fit one GPU. Here policy, reference and critic share ONE frozen ba
   policy's own forward, so one forward gives logits and values.
 
 Only the LoRA weights and the value head train. The reward model is loaded separately
-(``trl_ppo_ext.loading.load_reward_model``), optionally in 4-bit, and can be kept off the GPU between
-scoring passes (``trl_ppo_ext.offload``).
+(``trl_ppo_ext.models.loading.load_reward_model``), optionally in 4-bit, and can be kept off the GPU between
+scoring passes (``trl_ppo_ext.models.offload``).
 
 Notation: ``B`` sequences, ``L`` tokens per sequence (prompt + response), ``V`` vocab,
 ``H`` hidden size.
@@ -18,7 +18,7 @@ Notation: ``B`` sequences, ``L`` tokens per sequence (prompt + response), ``V`` 
 Example:
 
 >>> from torch import nn
->>> from trl_ppo_ext.modeling import disable_dropout
+>>> from trl_ppo_ext.models.prepare import disable_dropout
 >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
 >>> disable_dropout(model)  # no config values to record in a plain module
 []
@@ -467,98 +467,3 @@ def _adapter_dir(output_dir: str | os.PathLike, adapter_name: str) -> str:
     if adapter_name == "default":
         return os.fspath(output_dir)
     return os.path.join(output_dir, adapter_name)
-
-
-# The loaders lived here before they got their own module (before any release). They are not
-# re-exported: that made loading.py and modeling.py import each other. Asking for one here says where it is.
-_MOVED_TO_LOADING = ("resolve_model_source", "load_actor_critic", "load_reward_model")
-
-
-def __getattr__(name):
-    if name in _MOVED_TO_LOADING:
-        raise AttributeError(
-            f"trl_ppo_ext.modeling.{name} moved to trl_ppo_ext.loading: use `from trl_ppo_ext.loading import {name}`."
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers the trainer applies to any model it is given (policy, value, reference, reward): dropout
-# off, the configs' dropout values for saving, embedding rows, the scalar head's width, precision.
-
-
-def disable_dropout(model: nn.Module) -> list[tuple[object, str, float]]:
-    """Dropout off in every form: ``nn.Dropout`` modules, and the float probabilities that
-    attention layers read at forward time (``attention_dropout`` of Llama/Qwen, OPT's
-    ``dropout``), copied from the config into module attributes at build time, or read from
-    the config itself (GPT-Neo, Falcon).
-
-    PPO's ratio compares two forwards of the same weights; dropout would make it noise.
-    Returns ``(config, name, original value)`` of every config float set to 0, so that a
-    saved checkpoint can keep the user's values (see :func:`config_values`).
-    """
-    zeroed = []
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
-                setattr(module, name, 0.0)
-        config = vars(module).get("config")
-        if config is not None and hasattr(config, "to_dict"):
-            for name, value in config.to_dict().items():
-                # a config shared by several modules is met again with 0.0 and not recorded twice
-                if "dropout" in name and isinstance(value, float) and value != 0.0 and hasattr(config, name):
-                    zeroed.append((config, name, value))
-                    setattr(config, name, 0.0)
-    return zeroed
-
-@contextlib.contextmanager
-def config_values(entries):
-    """Inside the block, each ``(config, name, value)`` of ``entries`` holds ``value``; the
-    current values come back on exit."""
-    current = [(config, name, getattr(config, name)) for config, name, _ in entries]
-    try:
-        for config, name, value in entries:
-            setattr(config, name, value)
-        yield
-    finally:
-        for config, name, value in reversed(current):
-            setattr(config, name, value)
-
-def warn_low_precision_trainables(model: nn.Module) -> None:
-    """Say so when trainable weights are bf16/fp16: AdamW steps at PPO's learning rates (~1e-6)
-    are mostly below half precision's rounding step, and such weights barely move."""
-    low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        logger.warning(
-            "%d trainable parameter tensors are %s (e.g. %s): optimizer steps smaller than half precision's "
-            "rounding step are lost, so a full fine-tune barely moves. Load the trainable model in float32 "
-            "(torch_dtype=torch.float32) and train with bf16=True mixed precision, or train LoRA adapters.",
-            len(low), dict(model.named_parameters())[low[0]].dtype, low[0],
-        )
-
-def embedding_rows(model: nn.Module) -> int:
-    """Rows of ``model``'s input embedding, through peft's wrapper when the embedding carries a
-    LoRA adapter (the wrapper has no ``num_embeddings``); read from the module, not the weight,
-    which ZeRO-3 partitions."""
-    embedding = model.get_input_embeddings()
-    return int(getattr(embedding, "base_layer", embedding).num_embeddings)
-
-def scalar_head_outputs(model: nn.Module) -> int:
-    """Outputs of a sequence classifier's ``score`` head (its config's num_labels if it has none)."""
-    head = getattr(model, "score", None)
-    out = getattr(head, "out_features", None)
-    return int(out) if out is not None else int(getattr(getattr(model, "config", None), "num_labels", 1))
-
-def strip_fp32_output_wrapper(model: nn.Module) -> None:
-    """Undo accelerate's mixed-precision forward patch on a prepared model.
-
-    Under autocast, ``accelerator.prepare`` makes the model's forward return every output in
-    fp32, a full ``(B, T+1, V)`` copy of the logits. The trainer runs every forward (policy,
-    reference, value, reward) inside ``accelerator.autocast()`` itself instead, so they all
-    share one precision context and log-probs are taken from the logits as produced.
-    """
-    if "_original_forward" in vars(model):
-        vars(model).pop("_original_forward")
-        vars(model).pop("forward", None)

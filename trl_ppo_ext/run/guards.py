@@ -32,7 +32,7 @@ warn (once per episode of trouble) instead of halting: ``guard_action="halt"``, 
 
 Example:
 
->>> from trl_ppo_ext.guards import GuardRails, GuardSettings
+>>> from trl_ppo_ext.run.guards import GuardRails, GuardSettings
 >>> rails = GuardRails(GuardSettings(nonfinite_halt_after=2))
 >>> rails.nonfinite_step(1).halt, rails.nonfinite_step(2).halt  # halts at the second skipped step in a row
 (False, True)
@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from ._utils import optional_number_from_text
+from .._utils import optional_number_from_text
 
 # The trainer's log keys (``PPOTrainer.log_update``) that the guards read.
 KEY_VALUE_LOSS = "loss/value_avg"

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from .reward_logs import KWARG_NAMES
+from .logs import KWARG_NAMES
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ trainer's attributes (``accelerator``, ``optimizer``, ``lr_scheduler``, ``kl_con
 Example:
 
 >>> import os, tempfile
->>> from trl_ppo_ext.checkpointing import atomic_checkpoint_dir, latest_checkpoint, save_json
+>>> from trl_ppo_ext.run.checkpointing import atomic_checkpoint_dir, latest_checkpoint, save_json
 >>> out = tempfile.mkdtemp()
 >>> with atomic_checkpoint_dir(os.path.join(out, "checkpoint-3")) as folder:
 ...     save_json(os.path.join(folder, "trainer_state.json"), {"global_step": 3})
@@ -73,9 +73,9 @@ from pathlib import Path
 
 import torch
 
-from ._utils import TEMP_PREFIX, fsync_dir, load_json, save_json  # noqa: F401  (save_json: public here too)
-from .distributed import full_state, gathered, zero_stage
-from .modeling import config_values
+from .._utils import TEMP_PREFIX, fsync_dir, load_json, save_json  # noqa: F401  save_json: public here too
+from ..models.prepare import config_values
+from ..models.sharding import full_state, gathered, zero_stage
 from .preemption import PREEMPTED, InflightUpdate, inflight_filename
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ Notation: ``B`` sequences, ``L`` = prompt + response positions, ``V`` vocabulary
 Example:
 
 >>> from torch import nn
->>> from trl_ppo_ext.policy_value import is_checkpointing
+>>> from trl_ppo_ext.models.policy_value import is_checkpointing
 >>> is_checkpointing(nn.Linear(2, 2))
 False
 """
@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import nn
 
-from .distributed import is_zero3_param
+from .sharding import is_zero3_param
 
 logger = logging.getLogger(__name__)
 
