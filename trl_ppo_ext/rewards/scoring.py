@@ -20,8 +20,8 @@ Issue 22 adds, for the trainer to wire: per-token rewards (a function may return
 completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
 :func:`evaluate_rewards_per_token`), a process reward model's step scores on the step separators
 (:func:`process_rewards`), reward models with their own tokenizer (``Reward.tokenizer``,
-:func:`with_reward_tokenizers`; the text path is :mod:`trl_ppo_ext.rewards.scoring.text`), and
-:func:`remote_reward` (:mod:`trl_ppo_ext.rewards.scoring.remote`), usable today.
+:func:`with_reward_tokenizers`; the text path is :mod:`trl_ppo_ext.rewards.text`), and
+:func:`remote_reward` (:mod:`trl_ppo_ext.rewards.remote`), usable today.
 
 Notation: ``B`` completions, ``T`` response tokens, ``F`` rewards.
 """
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-# `trl_ppo_ext.rewards.scoring.scoring.remote_reward` is the public path; the client lives in its own module
+# `trl_ppo_ext.remote_reward` is the public path; the client lives in its own module
 from .remote import RemoteReward, RemoteRewardError, remote_reward
 
 __all__ = [
@@ -133,7 +133,7 @@ def with_reward_tokenizers(rewards: Sequence[Reward], policy_tokenizer, reward_p
             policy's ids. A single tokenizer stands for a list of one.
     Returns:
         The same rewards; a model whose tokenizer differs gets it as ``Reward.tokenizer`` (the text
-        path, :mod:`trl_ppo_ext.rewards.scoring.text`), one that shares the policy's vocabulary keeps None
+        path, :mod:`trl_ppo_ext.rewards.text`), one that shares the policy's vocabulary keeps None
         (the id path, bit-identical to a run without the argument).
     Raises:
         ValueError for a wrong number of entries, or a model whose ids cannot be the policy's and
