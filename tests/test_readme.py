@@ -176,3 +176,20 @@ def test_example_help_works():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--model_name_or_path" in done.stdout and "--load_in_4bit" in done.stdout
+
+
+def readme_as_docs_home(text: str) -> str:
+    """docs/index.md is the README with its links made relative to docs/ (the site's home page)."""
+    text = text.replace("](docs/", "](")
+    text = text.replace('- API reference: `pip install -e ".[docs]" && mkdocs serve` (sources in `docs/api/`)',
+                        "- [API reference](api/index.md), generated from the docstrings")
+    text = text.replace("\nChanges are listed in [CHANGELOG.md](CHANGELOG.md).\n",
+                        "\nChanges are listed in `CHANGELOG.md` at the top of the repository.\n")
+    return re.sub(r"^<!--\s*readme-test:.*-->\n", "", text, flags=re.MULTILINE)
+
+
+def test_docs_home_is_the_readme():
+    """The site's home page and the README say the same: regenerate docs/index.md after a README edit
+    with ``readme_as_docs_home`` (this file)."""
+    expected = readme_as_docs_home(README.read_text())
+    assert (ROOT / "docs" / "index.md").read_text() == expected
