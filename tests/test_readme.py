@@ -40,11 +40,10 @@ def code_blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
     return blocks
 
 
-def test_code_blocks_parser():
+def test_code_blocks_parser(tmp_path):
     """The parser sees a block's language, body and the skip marker before it."""
     text = "a\n<!-- readme-test: skip (needs a GPU) -->\n```python\nx = 1\n```\n```bash\nls\n```\n"
-    path = ROOT / "outputs" / "readme_parser_check.md"
-    path.parent.mkdir(exist_ok=True)
+    path = tmp_path / "check.md"
     path.write_text(text)
     assert code_blocks(path) == [(3, "python", "x = 1", "needs a GPU"), (6, "bash", "ls", None)]
 
