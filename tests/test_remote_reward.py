@@ -272,3 +272,101 @@ def test_a_ppo_run_trains_on_a_remote_reward(make_trainer, tok, server):
     assert len(logs) == 2 and all(math.isfinite(h["rewards/remote_reward/mean"]) for h in logs)
     # two updates of 4 completions in requests of at most 3: 2 requests per update
     assert len(server.requests) - before == 4
+
+
+# ---------------------------------------------------------------- one deadline per attempt
+class TrickleServer:
+    """A raw TCP server on 127.0.0.1 that reads one request, then sends a 200 reply of 45 body bytes
+    (``Content-Length: 45``) one byte every ``gap`` seconds -- its status line and headers too when
+    ``head=True``. Every byte comes well inside the client's timeout; the whole reply does not.
+    It stops at ``stop`` (teardown) or when the client hangs up, so it never outlives its test."""
+
+    BODY = json.dumps({"rewards": [3.0], "pad": "x" * 16}).encode()  # 45 bytes
+
+    def __init__(self, gap: float, head: bool = False):
+        import socket
+
+        assert len(self.BODY) == 45
+        self.gap, self.head, self.stop = gap, head, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/get_reward"
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+
+    def serve(self):
+        self.listener.settimeout(5)
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(5)
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += conn.recv(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            headers = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 45\r\n\r\n"
+            if not self.head:
+                conn.sendall(headers)
+            for byte in (headers if self.head else b"") + self.BODY:
+                if self.stop.wait(self.gap):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:  # the client gave up: done
+                    return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.listener.close()
+        self.thread.join(timeout=5)
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["body", "status_line_and_headers"])
+def test_a_trickling_server_is_held_to_one_deadline_per_attempt(head):
+    import time
+
+    # 45 body bytes (and ~80 header bytes with head=True) at one per 0.05 s: the body alone needs
+    # 2.25 s; every byte arrives well inside timeout=0.4 s, so a per-read timeout never fires
+    with TrickleServer(gap=0.05, head=head) as server:
+        fn = remote_reward(server.url, timeout=0.4, max_retries=0)
+        started = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=rf"{server.url} failed 1 times.*no complete reply within "
+                                                    r"timeout=0.4 s"):
+            call(fn, ["p"], ["q"])
+        elapsed = time.monotonic() - started
+    assert elapsed < 0.4 + 0.3, elapsed  # the deadline, plus scheduling slack on a busy machine
+
+
+def test_the_retries_total_is_bounded_by_attempts_times_timeout_plus_the_backoffs():
+    import time
+
+    # two attempts of 0.3 s each and one backoff of 0.1 s: at most 0.7 s (plus slack), never the 2.25 s
+    # a trickled reply takes; the second attempt is never answered (the server serves one request)
+    with TrickleServer(gap=0.05) as server:
+        fn = remote_reward(server.url, timeout=0.3, max_retries=1, backoff=0.1)
+        started = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=rf"{server.url} failed 2 times"):
+            call(fn, ["p"], ["q"])
+        elapsed = time.monotonic() - started
+    assert elapsed < 2 * 0.3 + 0.1 + 0.3, elapsed
+
+
+def test_an_integer_too_large_for_a_float_is_an_error_naming_the_url_and_the_completion():
+    fn = remote_reward("http://127.0.0.1:1/x")
+    huge = "1" + "0" * 400  # 1e400 as a JSON integer: Python reads it, float() cannot hold it
+    for reply in (f'{{"rewards": [1, {huge}]}}', f'{{"rewards": [1, [0.5, {huge}]]}}',
+                  f'{{"rewards": [1, [[0, {huge}]]]}}'):
+        with pytest.raises(RemoteRewardError, match=r"Remote reward http://127.0.0.1:1/x replied '.*1000.*' for "
+                                                    r"completion 1 of the request.*too large"):
+            fn.parse_reply(reply.encode(), 2)
+    # in extra_logs it is not a number a metric can hold: skipped, as other entries of a wrong shape
+    assert fn.read_reply(f'{{"rewards": [1], "extra_logs": {{"big": {huge}, "ok": 2}}}}'.encode(), 1).extra_logs \
+        == {"ok": (2.0, 1)}

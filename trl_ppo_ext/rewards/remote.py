@@ -23,17 +23,23 @@ skipped with a warning (it is not a reward). Other keys (``"scores"``) are ignor
 
 Failures: a timeout, a refused or dropped connection, or HTTP 408/429/5xx is retried up to
 ``max_retries`` times, waiting ``backoff * 2**k`` seconds (at most ``max_backoff``) before
-retry ``k + 1``; then a :class:`RemoteRewardError` names the URL and the last failure. Any
-other HTTP status, a body that is not JSON, a missing key, a wrong count or a non-number is an
-error at once: a reply that cannot be read as one number per completion is never used.
+retry ``k + 1``; then a :class:`RemoteRewardError` names the URL and the last failure. An
+attempt has one deadline, ``timeout`` seconds for connect, send, status line, headers and body
+together, however slowly the server sends; so one request gives up after at most
+``(max_retries + 1) * timeout`` seconds plus the backoffs, ``sum(min(backoff * 2**k, max_backoff)
+for k < max_retries)``. Any other HTTP status, a body that is not JSON, a missing key, a wrong
+count or a non-number (or an integer too large for a float) is an error at once: a reply that
+cannot be read as one number per completion is never used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.client
+import io
 import json
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -47,6 +53,7 @@ logger = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 _MAX_REPLY_BYTES = 64 * 2**20  # a reply larger than this is not a list of rewards
 _EXCERPT = 200  # characters of a reply quoted in an error
+_LARGEST_FLOAT_INT = int(sys.float_info.max)  # an int above it overflows float()
 
 
 class RemoteRewardError(RuntimeError):
@@ -214,7 +221,10 @@ class RemoteReward:
             return {}
         out = {}
         for name, value in logs.items():
-            if _is_json_number(value):
+            if not _fits_a_float(value):
+                logger.warning("Remote reward %s: extra_logs[%r] holds an integer too large for a float; not "
+                               "logged.", self.url, name)
+            elif _is_json_number(value):
                 out[name] = (float(value), 1)
             elif isinstance(value, list) and len(value) == expected and all(map(_is_json_number, value)):
                 out[name] = (sum(float(v) for v in value), expected)
@@ -226,14 +236,20 @@ class RemoteReward:
     def _entry(self, value, i: int):
         """One completion's reward: None, a float, a list of floats (dense per-token) or of
         ``(int, float)`` pairs; anything else is a :class:`RemoteRewardError`."""
-        if value is None or _is_json_number(value):
-            return None if value is None else float(value)
-        if isinstance(value, list):
-            if all(_is_json_number(v) for v in value):
-                return [float(v) for v in value]
-            if all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
-                   and _is_json_number(p[1]) for p in value):
-                return [(p[0], float(p[1])) for p in value]
+        try:
+            if value is None or _is_json_number(value):
+                return None if value is None else float(value)
+            if isinstance(value, list):
+                if all(_is_json_number(v) for v in value):
+                    return [float(v) for v in value]
+                if all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                       and _is_json_number(p[1]) for p in value):
+                    return [(p[0], float(p[1])) for p in value]
+        except OverflowError:  # a JSON integer of hundreds of digits: Python reads it, a float cannot hold it
+            raise RemoteRewardError(
+                f"Remote reward {self.url} replied {_excerpt(repr(value).encode())} for completion {i} of the "
+                "request: an integer too large for a float (beyond ~1.8e308); each reward must be a finite number."
+            ) from None
         raise RemoteRewardError(
             f"Remote reward {self.url} replied {value!r} for completion {i} of the request; each reward must be a "
             "number (or null where it does not apply), or per-token rewards: a list of numbers, one per token, or "
@@ -263,6 +279,12 @@ def _is_json_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _fits_a_float(value) -> bool:
+    """False for an int (or a list holding one) beyond float's range, which ``float()`` refuses."""
+    values = value if isinstance(value, list) else [value]
+    return not any(isinstance(v, int) and abs(v) > _LARGEST_FLOAT_INT for v in values)
+
+
 def _completion_text(completion) -> str:
     """A completion as the trainer passes it: text, or ``[{"role": "assistant", "content": text}]``."""
     if isinstance(completion, str):
@@ -278,24 +300,27 @@ def _excerpt(reply: bytes) -> str:
 def post_json(parts, body: bytes, headers: dict, timeout: float) -> tuple[int, str, bytes]:
     """POST ``body`` as JSON; ``(status, reason, reply body)``.
 
-    ``timeout`` bounds the whole exchange (connect, send, every read), not each read alone:
-    a server that trickles bytes still times out. Raises ``TimeoutError`` when it runs out,
-    ``OSError``/``http.client.HTTPException`` when the connection fails or closes mid-reply.
-    No proxy is used (``http.client`` directly).
+    ``timeout`` is one deadline for the whole exchange: connect, send, the status line, the
+    headers and the body. Every socket read gets only what is left of it (:class:`_DeadlineSocket`),
+    so a server that trickles its reply a byte at a time still times out at ``timeout``.
+    Raises ``TimeoutError`` when it runs out, ``OSError``/``http.client.HTTPException`` when the
+    connection fails or closes mid-reply. No proxy is used (``http.client`` directly).
     """
     deadline = time.monotonic() + timeout
     make = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = make(parts.hostname, parts.port, timeout=timeout)
     try:
+        connection.connect()
+        connection.sock.settimeout(_left(deadline))  # sendall: its timeout bounds the whole send
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         connection.request("POST", path, body=body,
                            headers={"Content-Type": "application/json", "Accept": "application/json", **headers})
-        sock = connection.sock  # the reply is read from this socket even after `connection` lets go of it
-        sock.settimeout(_left(deadline))
-        response = connection.getresponse()
+        # read the reply through a socket whose every recv is held to the deadline (http.client's
+        # buffered reads make many recvs per line or per read(n), each with the socket's full timeout)
+        response = http.client.HTTPResponse(_DeadlineSocket(connection.sock, deadline), method="POST")
+        response.begin()
         chunks, size = [], 0
         while not response.isclosed():  # it closes itself once the whole body is read
-            sock.settimeout(_left(deadline))
             chunk = response.read(65536)
             if not chunk:
                 break
@@ -309,6 +334,29 @@ def post_json(parts, body: bytes, headers: dict, timeout: float) -> tuple[int, s
         return response.status, response.reason, b"".join(chunks)
     finally:
         connection.close()
+
+
+class _DeadlineSocket:
+    """What ``http.client.HTTPResponse`` reads a reply from: ``sock``, with every receive given
+    only the time left until ``deadline`` (a ``TimeoutError`` once none is left)."""
+
+    def __init__(self, sock, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str = "rb"):
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self._sock.settimeout(_left(self._deadline))
+        return self._sock.recv_into(buffer)
 
 
 def _left(deadline: float) -> float:
@@ -334,10 +382,12 @@ def remote_reward(url: str, **kwargs) -> RemoteReward:
         score_key: the reply's key holding the rewards (default ``"rewards"``).
         batch_size: at most this many completions per request (default 64); order is kept.
         max_concurrent_requests: requests of one call in flight at once (default 4).
-        timeout: seconds one attempt may take in all (default 60).
+        timeout: seconds one attempt may take in all, from connect to the last byte of the body,
+            however slowly the server sends (default 60).
         max_retries: further attempts after a timeout, a connection failure or HTTP 408/429/5xx
             (default 3); ``backoff`` (default 1 s) doubles between them, up to ``max_backoff``
-            (default 30 s).
+            (default 30 s). A request gives up within ``(max_retries + 1) * timeout`` seconds
+            plus those waits (with the defaults: 4 * 60 + 1 + 2 + 4 = 247 s).
         headers: extra HTTP headers (e.g. ``{"Authorization": "Bearer ..."}``).
         name: the reward's name in the logs, ``rewards/<name>/mean`` (default ``"remote_reward"``).
 
