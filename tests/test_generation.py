@@ -17,7 +17,14 @@ from transformers import HfArgumentParser
 from trl_ppo_ext.generation import arguments as arguments_module
 from trl_ppo_ext.generation import vllm_colocate
 from trl_ppo_ext.generation.arguments import VLLMArguments
-from trl_ppo_ext.generation.base import EngineSamples, GenerationEngine, prompt_token_lists, request_seeds
+from trl_ppo_ext.generation.base import (
+    EngineSamples,
+    GenerationEngine,
+    SamplingSettings,
+    prompt_token_lists,
+    request_seeds,
+    sample_responses,
+)
 from trl_ppo_ext.generation.mismatch import (
     importance_sampling_stats,
     importance_sampling_weights,
@@ -121,7 +128,19 @@ def test_logp_difference_leaves_out_nan_and_empty_is_zero():
     assert stats["sampling/sampling_logp_difference/mean"].item() == pytest.approx(0.4 / 4, abs=1e-6)
     assert stats["sampling/sampling_logp_difference/max"].item() == pytest.approx(0.3, abs=1e-6)
     empty = logp_difference_stats(OLD, ENGINE, torch.zeros_like(MASK))
-    assert [v.item() for v in empty.values()] == [0.0, 0.0]
+    assert [v.item() for v in empty.values()] == [0.0, 0.0, 0.0]
+
+
+def test_counted_tokens_without_an_engine_logprob_are_counted_so_a_hole_shows():
+    engine = ENGINE.clone()
+    engine[1, 0] = NAN  # counted: missing
+    engine[1, 2] = NAN  # not counted (MASK is False there): not missing
+    assert logp_difference_stats(OLD, engine, MASK)["sampling/missing_engine_logprobs"].item() == 1.0
+    engine[0] = NAN  # a whole row without log-probs: 3 more; nothing left to take a difference of but 0.0
+    stats = logp_difference_stats(OLD, engine, MASK)
+    assert stats["sampling/missing_engine_logprobs"].item() == 4.0
+    assert stats["sampling/sampling_logp_difference/max"].item() == pytest.approx(0.0, abs=1e-6)
+    assert logp_difference_stats(OLD, ENGINE, MASK)["sampling/missing_engine_logprobs"].item() == 0.0
 
 
 def test_token_truncate_by_hand():
@@ -199,7 +218,8 @@ def test_importance_sampling_stats_by_hand():
 def test_sampling_correction_gives_weights_and_stats_only_when_asked():
     weights, stats = sampling_correction(OLD, ENGINE, MASK, correction=False)
     assert weights is None
-    assert list(stats) == ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"]
+    assert list(stats) == ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                           "sampling/missing_engine_logprobs"]
     assert stats["sampling/sampling_logp_difference/max"].item() == pytest.approx(0.5, abs=1e-6)
     weights, stats = sampling_correction(OLD, ENGINE, MASK, correction=True, mode="token_truncate", clip_max=1.2)
     # the by-hand weights of test_token_truncate_by_hand; stats over counted tokens:
@@ -223,6 +243,78 @@ def test_padded_cuts_pads_and_marks_missing_logprobs():
     torch.testing.assert_close(logprobs, expected, equal_nan=True, rtol=0, atol=0)
     no_logprobs = EngineSamples(completion_ids=[[5]], logprobs=None).padded(2, 0)[1]
     assert torch.isnan(no_logprobs).all()
+
+
+def test_a_completion_the_engine_ended_for_length_is_a_truncated_response_of_its_sampled_tokens():
+    from trl_ppo_ext.rollout import finalize_responses
+
+    # T = 4, pad id 3 = the stop id (pad == EOS): row 0 stopped at a sampled 3; row 1 was ended for
+    # length after 2 tokens (the engine's context ran out); row 2 ran to T; row 3 came back short with
+    # no reason given and no stop id (an engine that says nothing is read the same way)
+    samples = EngineSamples(completion_ids=[[5, 3], [5, 6], [5, 6, 7, 8], [9]],
+                            logprobs=[[-0.1, -0.2], [-0.3, -0.4], [-0.5] * 4, [-0.6]],
+                            finish_reasons=["stop", "length", "length", None])
+    assert samples.sampled_mask(4).tolist() == [[True, True, False, False], [True, True, False, False],
+                                                [True] * 4, [True, False, False, False]]
+    assert samples.cut_short(4) == 1  # row 1 only: row 2 reached max_tokens, row 3 gave no reason
+    responses, _ = samples.padded(response_length=4, pad_token_id=3)
+    assert responses.tolist() == [[5, 3, 3, 3], [5, 6, 3, 3], [5, 6, 7, 8], [9, 3, 3, 3]]
+    # from the ids alone the first pad of rows 1 and 3 reads as a sampled stop (the defect)
+    _, blind, blind_stop = finalize_responses(responses, (3,), pad_token_id=3)
+    assert blind.sum(1).tolist() == [2, 3, 4, 2] and blind_stop.tolist() == [True, True, False, True]
+    # with what the engine sampled: rows 1 and 3 are truncated at 2 and 1 tokens
+    _, mask, has_stop = finalize_responses(responses, (3,), pad_token_id=3, sampled=samples.sampled_mask(4))
+    assert mask.tolist() == [[True, True, False, False], [True, True, False, False], [True] * 4,
+                             [True, False, False, False]]
+    assert has_stop.tolist() == [True, False, False, False]
+
+
+def test_sample_responses_hands_on_what_the_engine_sampled_and_warns_once_about_length_stops(caplog):
+    from trl_ppo_ext.generation import base
+
+    class Fixed(GenerationEngine):
+        def generate(self, prompts, settings, generator=None):
+            # a prompt of 3 tokens in a context of 5: 2 new tokens, ended for length
+            return EngineSamples([[7, 8] if len(p) == 3 else [7, 3] for p in prompts],
+                                 [[-1.0, -2.0]] * len(prompts),
+                                 ["length" if len(p) == 3 else "stop" for p in prompts])
+
+        def _push_policy(self, policy, version):
+            pass
+
+    queries = torch.tensor([[6, 6, 6], [0, 6, 6]])
+    settings = SamplingSettings(max_tokens=4, temperature=1.0, stop_token_ids=(3,))
+    base._warned_cut_short.clear()
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.generation.base"):
+        responses, logprobs, sampled = sample_responses(Fixed(), queries, queries != 0, settings, pad_token_id=3)
+        sample_responses(Fixed(), queries, queries != 0, settings, pad_token_id=3)
+    assert responses.tolist() == [[7, 8, 3, 3], [7, 3, 3, 3]]
+    assert sampled.tolist() == [[True, True, False, False], [True, True, False, False]]
+    assert torch.isnan(logprobs[~sampled]).all() and not torch.isnan(logprobs[sampled]).any()
+    assert caplog.text.count("ended 1 of 2 responses for length before response_length=4") == 1
+
+
+@pytest.mark.parametrize("limit, lengths, refused", [
+    (14, [4, 3, 4], False),  # 4 + 10 = 14 fits exactly
+    (13, [4, 3, 4], True),
+    (None, [4, 100], False),  # the model's own limit: the trainer checks max_position_embeddings
+])
+def test_an_engine_context_shorter_than_the_longest_prompt_plus_response_is_refused(limit, lengths, refused):
+    from types import SimpleNamespace
+
+    from trl_ppo_ext.generation.base import check_engine_context
+
+    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=limit, response_length=10)
+    if not refused:
+        check_engine_context(args, lengths)
+        return
+    with pytest.raises(ValueError, match=r"vllm_max_model_length=13 cannot hold the longest prompt of `eval_dataset` "
+                                         r"\(4 tokens\) plus response_length=10: 14 positions; 2 prompt\(s\) do not "
+                                         r"fit.*at least 14.*longer than 3 tokens"):
+        check_engine_context(args, lengths, "eval_dataset")
+    # nothing to check without a colocated engine (a server has its own --max-model-len)
+    check_engine_context(SimpleNamespace(**{**vars(args), "vllm_mode": "server"}), lengths)
+    check_engine_context(SimpleNamespace(**{**vars(args), "use_vllm": False}), lengths)
 
 
 def test_prompt_token_lists_keep_real_tokens_only():

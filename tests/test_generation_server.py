@@ -52,8 +52,11 @@ class FakeVLLM(BaseHTTPRequestHandler):
             self._answer(int(behaviour[-3:]), {"error": "engine is unhappy"})
             return
         ids = [payload["prompt"][0] + 1, payload["seed"] % 7 + 10, 3]
-        logprobs = None if behaviour == "no_logprobs" else {"token_logprobs": [-0.5] * 3}
-        self._answer(200, {"choices": [{"token_ids": ids, "logprobs": logprobs}]})
+        reason = "stop"
+        if behaviour == "length":  # the context (--max-model-len) ran out after 2 tokens, before any stop id
+            ids, reason = ids[:2], "length"
+        logprobs = None if behaviour == "no_logprobs" else {"token_logprobs": [-0.5] * len(ids)}
+        self._answer(200, {"choices": [{"token_ids": ids, "logprobs": logprobs, "finish_reason": reason}]})
 
 
 @pytest.fixture
@@ -146,13 +149,32 @@ def test_the_config_builds_a_server_engine_and_the_batch_comes_back_padded(fake_
     queries = torch.tensor([[0, 20, 21], [30, 31, 32]])
     query_mask = torch.tensor([[False, True, True], [True, True, True]])
     settings = SamplingSettings(max_tokens=5, temperature=1.0, stop_token_ids=(3,))
-    responses, logprobs = sample_responses(engine, queries, query_mask, settings, pad_token_id=0,
-                                           generator=torch.Generator().manual_seed(2))
+    responses, logprobs, sampled = sample_responses(engine, queries, query_mask, settings, pad_token_id=0,
+                                                    generator=torch.Generator().manual_seed(2))
+    assert sampled.tolist() == [[True] * 3 + [False] * 2] * 2
     seeds = request_seeds(2, torch.Generator().manual_seed(2))
     # the fake answers [first prompt id + 1, seed % 7 + 10, 3]: the real prompt tokens were sent
     assert responses.tolist() == [[21, seeds[0] % 7 + 10, 3, 0, 0], [31, seeds[1] % 7 + 10, 3, 0, 0]]
     assert torch.equal(torch.isnan(logprobs), torch.tensor([[False] * 3 + [True] * 2] * 2))
     assert sorted(p["prompt"] for p in fake_server.requests) == [[20, 21], [30, 31, 32]]
+
+
+def test_an_answer_ended_for_length_is_a_truncated_response_of_the_tokens_it_holds(fake_server):
+    from trl_ppo_ext.rollout import finalize_responses
+
+    engine = VLLMServerEngine(_url(fake_server), timeout=5)
+    fake_server.behaviour = "length"
+    queries = torch.tensor([[20, 21], [30, 31]])
+    # pad id 3 = the stop id (pad == EOS): a pad read as a token would be a sampled stop
+    raw, logprobs, sampled = sample_responses(engine, queries, queries != 0, SETTINGS, pad_token_id=3,
+                                              generator=torch.Generator().manual_seed(2))
+    seeds = request_seeds(2, torch.Generator().manual_seed(2))
+    assert raw.tolist() == [[21, seeds[0] % 7 + 10, 3, 3], [31, seeds[1] % 7 + 10, 3, 3]]
+    responses, mask, has_stop = finalize_responses(raw, SETTINGS.stop_token_ids, 3, sampled)
+    assert mask.tolist() == [[True, True, False, False]] * 2  # the 2 tokens the server sent
+    assert has_stop.tolist() == [False, False]  # truncated, not finished
+    assert not torch.isnan(logprobs[mask]).any()
+    assert engine.generate([[20]], SETTINGS).finish_reasons == ["length"]
 
 
 def test_a_temperature_vllm_cannot_score_is_refused_before_any_request(fake_server):

@@ -139,19 +139,28 @@ def test_sampling_metrics_by_hand_over_two_processes():
     rollout = SimpleNamespace(logprobs=torch.tensor([[-1.0, -2.0, -3.0]]),
                               engine_logprobs=torch.tensor([[-1.5, -2.0, -9.0]]),
                               response_mask=torch.tensor([[True, True, False]]))
-    other = torch.tensor([[0.75, 0.9, 0.2, 1.0, 2.5]])  # the other process's mean, max, min, mean, max
+    # the other process's difference mean, max, missing engine log-probs, then the weights' min, mean, max
+    other = torch.tensor([[0.75, 0.9, 2.0, 0.2, 1.0, 2.5]])
     metrics = sampling_metrics(rollout, gather=lambda t: torch.cat([t, other]), device="cpu", correction=True,
                                mode="token_truncate", clip_max=3.0)
     e = math.exp(0.5)
     assert metrics == pytest.approx({
         "sampling/sampling_logp_difference/mean": (0.25 + 0.75) / 2,  # mean of the means
         "sampling/sampling_logp_difference/max": 0.9,  # max of the maxima
+        "sampling/missing_engine_logprobs": 0.0 + 2.0,  # a count: summed (none here, two there)
         "sampling/importance_sampling_ratio/min": 0.2,  # min of the minima
         "sampling/importance_sampling_ratio/mean": ((e + 1) / 2 + 1.0) / 2,
         "sampling/importance_sampling_ratio/max": 2.5,
     }, abs=1e-6)
     without = sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=False)
     assert without == pytest.approx({"sampling/sampling_logp_difference/mean": 0.25,
-                                     "sampling/sampling_logp_difference/max": 0.5}, abs=1e-6)
+                                     "sampling/sampling_logp_difference/max": 0.5,
+                                     "sampling/missing_engine_logprobs": 0.0}, abs=1e-6)
+    # a counted token without an engine log-prob is left out of the difference, and counted
+    rollout.engine_logprobs = torch.tensor([[math.nan, -2.0, -9.0]])
+    holed = sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=False)
+    assert holed == pytest.approx({"sampling/sampling_logp_difference/mean": 0.0,
+                                   "sampling/sampling_logp_difference/max": 0.0,
+                                   "sampling/missing_engine_logprobs": 1.0}, abs=1e-6)
     rollout.engine_logprobs = None  # sampled by transformers: nothing to log
     assert sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=True) == {}

@@ -229,9 +229,9 @@ def test_the_trainers_batched_forward_agrees_with_the_engine(plain_engine):
     query_mask = queries != 0
     stop_ids = (3, 10, 11, 12)
     settings = SamplingSettings(max_tokens=8, temperature=0.7, stop_token_ids=stop_ids)
-    raw, engine_logprobs = sample_responses(engine, queries, query_mask, settings, pad_token_id=0,
-                                            generator=torch.Generator().manual_seed(0))
-    responses, mask, _ = finalize_responses(raw, stop_ids, pad_token_id=0)
+    raw, engine_logprobs, sampled = sample_responses(engine, queries, query_mask, settings, pad_token_id=0,
+                                                     generator=torch.Generator().manual_seed(0))
+    responses, mask, _ = finalize_responses(raw, stop_ids, pad_token_id=0, sampled=sampled)
     inputs = sequence_inputs(queries, query_mask, responses, mask)
     with torch.no_grad():
         logits = lm_logits(policy, *inputs, logits_to_keep=responses.shape[1] + 1)
@@ -240,6 +240,38 @@ def test_the_trainers_batched_forward_agrees_with_the_engine(plain_engine):
     print({k: round(v.item(), 8) for k, v in stats.items()})
     assert stats["sampling/sampling_logp_difference/max"].item() < EXPECTED_LOGP_TOLERANCE
     assert (weights[mask] - 1).abs().max().item() < 2e-3
+
+
+def test_an_engine_context_shorter_than_prompt_plus_response_ends_rows_as_truncated_responses():
+    """An engine of 9 positions asked for 10 tokens after 4-token prompts stops each request at 5
+    new tokens (finish_reason "length"); those rows are truncated responses of exactly the tokens
+    it sampled, even with the pad id equal to the stop id (where the first pad read as a sampled
+    stop before)."""
+    from trl_ppo_ext.generation.vllm_colocate import VLLMColocateEngine
+
+    policy = _tiny_policy(seed=3)
+    engine = VLLMColocateEngine(policy, max_model_length=9, engine_kwargs=ENGINE_KWARGS)
+    try:
+        engine.load_policy(policy, 1)
+        queries = torch.tensor([[6, 7, 8, 9], [10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]])
+        stop = 3  # <eos>, also the pad id here; few samples hit it among 46 ids in 5 draws
+        settings = SamplingSettings(max_tokens=10, temperature=1.0, stop_token_ids=(stop,))
+        samples = engine.generate(queries.tolist(), settings, torch.Generator().manual_seed(0))
+        lengths = [len(ids) for ids in samples.completion_ids]
+        print("tokens sampled per row:", lengths, samples.finish_reasons)
+        for ids, reason in zip(samples.completion_ids, samples.finish_reasons):
+            assert len(ids) <= 5  # 9 - 4
+            assert reason == ("stop" if ids[-1] == stop else "length")
+        cut = [reason == "length" for reason in samples.finish_reasons]
+        assert sum(cut) >= 2
+        raw, logprobs, sampled = sample_responses(engine, queries, queries != 0, settings, pad_token_id=stop,
+                                                  generator=torch.Generator().manual_seed(0))
+        responses, mask, has_stop = finalize_responses(raw, (stop,), pad_token_id=stop, sampled=sampled)
+        assert mask.sum(1).tolist() == lengths  # exactly the sampled tokens, never the pad after them
+        assert has_stop.tolist() == [not c for c in cut]  # a row cut for length is truncated, not finished
+        assert not torch.isnan(logprobs[mask]).any()
+    finally:
+        engine.close()
 
 
 # ---------------------------------------------------------------- LoRA policies

@@ -81,6 +81,46 @@ def test_shared_lora_actor_critic_trains_with_vllm(tmp_path):
     print("shared LoRA actor-critic, logp difference max per update:", diffs)
 
 
+def test_an_engine_context_shorter_than_prompt_plus_response_is_refused_at_construction(tmp_path):
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok, **VLLM_SHAPES)
+    args = tiny_config(tmp_path, use_vllm=True, vllm_max_model_length=9, response_length=10)
+    with pytest.raises(ValueError, match=r"vllm_max_model_length=9 cannot hold the longest prompt of `train_dataset` "
+                                         r"\(4 tokens\) plus response_length=10: 14 positions; 8 prompt\(s\)"):
+        VllmTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                    train_dataset=prompt_dataset(tok, n=8, min_len=4, max_len=4), value_model=value)
+
+
+def test_responses_the_engine_ends_for_length_are_truncated_at_what_it_sampled(tmp_path, monkeypatch):
+    """The issue's run: separate models, vllm_max_model_length=9, response_length=10, 4-token
+    prompts, pad == EOS. With the construction check switched off, the engine stops every request
+    at 5 new tokens; the rollout counts exactly those (not 10, not a pad read as a sampled EOS),
+    and the update logs no engine log-prob missing from a counted token."""
+    import trl_ppo_ext.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "check_engine_context", lambda *a, **k: None, raising=False)
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok, **VLLM_SHAPES)
+    args = tiny_config(tmp_path, use_vllm=True, vllm_max_model_length=9, response_length=10, total_episodes=4,
+                       temperature=1.0)
+    trainer = VllmTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                          train_dataset=prompt_dataset(tok, n=4, min_len=4, max_len=4), value_model=value)
+    sample = trainer.generate_rollout(next(iter(trainer.dataloader)))
+    mask, responses = sample.response_mask, sample.responses
+    eos = tok.eos_token_id
+    # what the engine sampled: at most 9 - 4 = 5 tokens, ending at the first sampled EOS if any
+    first_eos = [next((j for j in range(5) if responses[b, j] == eos), None) for b in range(4)]
+    expected = [5 if j is None else j + 1 for j in first_eos]
+    print("valid lengths:", mask.sum(1).tolist(), "expected:", expected)
+    assert mask.sum(1).tolist() == expected
+    assert not mask[:, 5:].any()
+    assert sample.has_stop.tolist() == [j is not None for j in first_eos]
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert log["sampling/missing_engine_logprobs"] == 0.0
+    assert log["sampling/sampling_logp_difference/max"] < LOGP_BOUND
+
+
 def _run(out, mode):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.run([sys.executable, str(SCRIPTS / "ppo_resume.py"), str(out), mode, "--use_vllm"],

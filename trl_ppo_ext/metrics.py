@@ -100,8 +100,9 @@ def sampling_metrics(rollout: Rollout, *, gather: Gather, device: torch.device |
     set; ``{}`` otherwise): ``sampling/sampling_logp_difference/mean|max`` and, with ``correction``,
     ``sampling/importance_sampling_ratio/min|mean|max`` (``generation.mismatch.sampling_correction``
     on this process's rollout), combined over processes as mean of the means, max of the maxima,
-    min of the minima (one gather)."""
-    from .generation.mismatch import sampling_correction
+    min of the minima (one gather); ``sampling/missing_engine_logprobs``, the response tokens
+    without an engine log-prob, summed over the processes."""
+    from .generation.mismatch import MISSING_LOGPROBS_KEY, sampling_correction
 
     if rollout.engine_logprobs is None:
         return {}
@@ -113,7 +114,7 @@ def sampling_metrics(rollout: Rollout, *, gather: Gather, device: torch.device |
     for i, name in enumerate(names):
         column = values[:, i]
         combined[name] = float(column.max() if name.endswith("/max") else column.min() if name.endswith("/min")
-                               else column.mean())
+                               else column.sum() if name == MISSING_LOGPROBS_KEY else column.mean())
     return combined
 
 

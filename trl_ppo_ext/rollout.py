@@ -376,19 +376,26 @@ def generate_responses(
     return out
 
 
-def finalize_responses(responses: torch.Tensor, stop_ids: tuple, pad_token_id: int):
+def finalize_responses(responses: torch.Tensor, stop_ids: tuple, pad_token_id: int,
+                       sampled: torch.Tensor | None = None):
     """``(responses, response_mask, has_stop)``: everything after the first stop token set to pad.
 
     Args:
         responses: ``(B, T)`` sampled ids. stop_ids: the ids that end a response (see
             :func:`stop_token_ids`); empty: responses run to ``T``. pad_token_id: the
             tokenizer's pad id, written after the stop token.
+        sampled: ``(B, T)`` bool, where the sampler produced a token (an engine that stopped a
+            row early for length, ``generation.base.EngineSamples.sampled_mask``); None: every
+            position up to the stop token was sampled (``generate``'s output).
     Returns:
         ``responses`` ``(B, T)``, ``response_mask`` ``(B, T)`` bool, keeping the stop token
-        itself (see ``functional.response_mask``), and ``has_stop`` ``(B,)`` bool: the
-        response ended with a stop token.
+        itself (see ``functional.response_mask``) and never reaching past ``sampled``, and
+        ``has_stop`` ``(B,)`` bool: the response ended with a sampled stop token (a row cut
+        short by the engine is truncated, even where its padding holds a stop id).
     """
     mask = F.response_mask(responses, stop_ids or None)
+    if sampled is not None:
+        mask = mask & sampled.to(mask.device, torch.bool)
     if stop_ids:
         has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & mask).any(dim=1)
     else:

@@ -53,7 +53,7 @@ from .config import PPOConfig
 from .data import PromptCollator
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
-from .generation.base import VLLM_MIN_TEMPERATURE
+from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
 from .generation.mismatch import importance_sampling_weights
 from .gradients import clip_grad_norm_
 from .kl_control import build_kl_controller
@@ -336,6 +336,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if columns is None or "input_ids" not in columns:
             return  # a torch Dataset: checked batch by batch during the rollout instead
         lengths = [len(ids) for ids in dataset["input_ids"]]
+        check_engine_context(self.args, lengths, name)  # vllm_max_model_length must hold prompt + response
         empty = sum(n == 0 for n in lengths)
         if empty:
             raise ValueError(
@@ -794,9 +795,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
             policy = unwrapped.policy
-            engine_logprobs = None
+            engine_logprobs = sampled = None
             if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
-                raw, engine_logprobs = self.sample_with_engine(policy, queries, query_mask, temperature)
+                raw, engine_logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature)
             else:
                 pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
                 config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
@@ -805,7 +806,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                         policy, queries, query_mask, config, args.response_length,
                         tok.pad_token_id, args.local_rollout_forward_batch_size,
                     )
-        responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id)
+        responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
         if engine_logprobs is not None:
             engine_logprobs = engine_logprobs.masked_fill(~mask, 0.0)
         return SampledBatch(
@@ -815,7 +816,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         )
 
     def sample_with_engine(self, policy, queries, query_mask, temperature: float):
-        """``(responses (B, T), engine_logprobs (B, T))`` from the vLLM engine: the policy's
+        """``(responses (B, T), engine_logprobs (B, T), sampled (B, T) bool)`` from the vLLM engine
+        (``generation.sample_responses``; ``sampled``: the positions it produced a token at): the policy's
         weights are pushed first when an update changed them (once per version, none during a
         critic warm-up, which leaves the policy as it was; under ZeRO-3
         inside the caller's gather), request seeds come from the run's global RNG (which

@@ -19,12 +19,16 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # Request seeds are drawn in [0, 2**31 - 1): every engine and server accepts a signed 32-bit seed.
 SEED_HIGH = 2**31 - 1
@@ -58,12 +62,68 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()
 
 
+def check_engine_context(args, prompt_lengths: Sequence[int], where: str = "train_dataset") -> None:
+    """Refuse, before any rollout, prompts that with ``response_length`` new tokens do not fit the
+    colocated engine's context ``vllm_max_model_length``: vLLM would stop their responses early.
+
+    Args:
+        args: the run's config (``use_vllm``, ``vllm_mode``, ``vllm_max_model_length``,
+            ``response_length``); nothing is checked unless it samples with a colocated engine
+            whose context is set (None: the model's own, which the trainer checks).
+        prompt_lengths: the token count of every prompt of the dataset.
+        where: the dataset's name, for the message.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=9, response_length=10)
+        >>> check_engine_context(args, [4, 3])
+        Traceback (most recent call last):
+        ...
+        ValueError: vllm_max_model_length=9 cannot hold the longest prompt of `train_dataset` (4 tokens) ...
+    """
+    limit = getattr(args, "vllm_max_model_length", None)
+    if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", "colocate") != "colocate" or limit is None:
+        return
+    if not prompt_lengths:
+        return
+    longest, response_length = max(prompt_lengths), args.response_length
+    if longest + response_length <= limit:
+        return
+    too_long = sum(n + response_length > limit for n in prompt_lengths)
+    raise ValueError(
+        f"vllm_max_model_length={limit} cannot hold the longest prompt of `{where}` ({longest} tokens) plus "
+        f"response_length={response_length}: {longest + response_length} positions; {too_long} prompt(s) do not fit "
+        "and vLLM would stop their responses early. Set vllm_max_model_length to at least "
+        f"{longest + response_length} (or None: the model's own limit), drop prompts longer than "
+        f"{max(limit - response_length, 0)} tokens, or lower response_length."
+    )
+
+
 @dataclass
 class EngineSamples:
     """An engine's answer for ``B`` prompts, in prompt order."""
 
     completion_ids: list[list[int]]  # B lists: sampled ids, through the stop token when there is one
     logprobs: list[list[float]] | None  # B lists: log pi_engine of each sampled id; None: engine gives none
+    # B reasons the engine gave for ending each completion ("stop", "length", ...); None: it gives none
+    finish_reasons: list[str | None] | None = None
+
+    def sampled_mask(self, response_length: int, device=None) -> torch.Tensor:
+        """``(B, T)`` bool, True where the engine sampled a token (``T = response_length``).
+
+        A completion that ends before ``T`` without a stop id (the engine stopped for length: its
+        context ran out) is a truncated response of its sampled tokens, never padded out to ``T``:
+        with the pad id equal to a stop id, the first pad would read as a sampled stop. Equivalent to
+        ``[[j < len(ids) for j in range(T)] for ids in completion_ids]``.
+        """
+        lengths = torch.tensor([min(len(ids), response_length) for ids in self.completion_ids], dtype=torch.long)
+        return (torch.arange(response_length)[None, :] < lengths[:, None]).to(device)
+
+    def cut_short(self, max_tokens: int) -> int:
+        """How many completions the engine ended for length before ``max_tokens`` tokens
+        (``finish_reason == "length"``): the engine's context ran out before the response did."""
+        reasons = self.finish_reasons or [None] * len(self.completion_ids)
+        return sum(reason == "length" and len(ids) < max_tokens for ids, reason in zip(self.completion_ids, reasons))
 
     def padded(self, response_length: int, pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(responses (B, T) long, engine_logprobs (B, T) float32)``: each completion cut to
@@ -97,19 +157,34 @@ def request_seeds(n: int, generator: torch.Generator | None = None) -> list[int]
 
 def sample_responses(engine: GenerationEngine, queries: torch.Tensor, query_mask: torch.Tensor,
                      settings: SamplingSettings, pad_token_id: int,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rollout batch through ``engine``, as the transformers path hands it on.
 
     Args:
         queries: ``(B, P)`` left-padded prompt ids; query_mask: ``(B, P)`` bool.
         settings: ``max_tokens`` is the response length ``T``.
     Returns:
-        ``(responses (B, T) long, engine_logprobs (B, T) float32)`` on ``queries``' device:
-        responses padded with ``pad_token_id`` (``rollout.finalize_responses`` takes them as it
-        takes ``generate``'s), log-probs NaN where nothing was sampled.
+        ``(responses (B, T) long, engine_logprobs (B, T) float32, sampled (B, T) bool)`` on
+        ``queries``' device: responses padded with ``pad_token_id``, log-probs NaN where nothing
+        was sampled, ``sampled`` True on the tokens the engine produced
+        (:meth:`EngineSamples.sampled_mask`; ``rollout.finalize_responses(..., sampled=)`` keeps the
+        response mask inside it). Rows the engine ended for length before ``T`` tokens are logged
+        once as a warning.
     """
     samples = engine.generate(prompt_token_lists(queries, query_mask), settings, generator)
-    return samples.padded(settings.max_tokens, pad_token_id, device=queries.device)
+    short = samples.cut_short(settings.max_tokens)
+    if short and not _warned_cut_short:
+        _warned_cut_short.append(True)
+        logger.warning(
+            "The vLLM engine ended %d of %d responses for length before response_length=%d tokens: prompt + "
+            "response does not fit its context (vllm_max_model_length, or the server's --max-model-len). They are "
+            "kept as truncated responses of the tokens it sampled. Raise the engine's context or shorten the prompts.",
+            short, len(samples.completion_ids), settings.max_tokens)
+    responses, logprobs = samples.padded(settings.max_tokens, pad_token_id, device=queries.device)
+    return responses, logprobs, samples.sampled_mask(settings.max_tokens, device=queries.device)
+
+
+_warned_cut_short: list[bool] = []  # one warning per process
 
 
 class GenerationEngine(ABC):

@@ -32,6 +32,9 @@ import torch
 from .arguments import IMPORTANCE_SAMPLING_MODES
 
 LOGP_DIFFERENCE_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+# counted tokens the engine gave no log-prob for: left out of the difference and the weights, so
+# without this count a hole in the engine's answer would not show in the log
+MISSING_LOGPROBS_KEY = "sampling/missing_engine_logprobs"
 IS_RATIO_KEYS = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                  "sampling/importance_sampling_ratio/max")
 
@@ -45,19 +48,23 @@ def logp_difference_stats(old_logprobs: torch.Tensor, engine_logprobs: torch.Ten
         engine_logprobs: ``(B, T)`` the engine's, NaN where it gave none.
         response_mask: ``(B, T)`` bool.
     Returns:
-        ``{"sampling/sampling_logp_difference/mean": (), ".../max": ()}`` float32 0-dim tensors,
-        both 0 when no token counts. Equivalent to::
+        ``{"sampling/sampling_logp_difference/mean": (), ".../max": (),
+        "sampling/missing_engine_logprobs": ()}`` float32 0-dim tensors: the first two 0 when no
+        token counts; the last the number of tokens of ``response_mask`` whose engine log-prob is
+        NaN (left out of the first two). Equivalent to::
 
             diffs = [abs(o - e) for o, e, m in zip(old, engine, mask) if m and not isnan(e)]
             mean, max = sum(diffs) / len(diffs), max(diffs)
+            missing = sum(1 for e, m in zip(engine, mask) if m and isnan(e))
     """
     delta = (old_logprobs.float() - engine_logprobs.float()).abs()
     counted = response_mask.bool() & ~torch.isnan(delta)
+    missing = (response_mask.bool() & torch.isnan(engine_logprobs.float())).sum().float()
     values = delta[counted]
     if values.numel() == 0:
         zero = torch.zeros((), device=delta.device)
-        return dict(zip(LOGP_DIFFERENCE_KEYS, (zero, zero.clone())))
-    return dict(zip(LOGP_DIFFERENCE_KEYS, (values.mean(), values.max())))
+        return {**dict(zip(LOGP_DIFFERENCE_KEYS, (zero, zero.clone()))), MISSING_LOGPROBS_KEY: missing}
+    return {**dict(zip(LOGP_DIFFERENCE_KEYS, (values.mean(), values.max()))), MISSING_LOGPROBS_KEY: missing}
 
 
 def importance_sampling_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,

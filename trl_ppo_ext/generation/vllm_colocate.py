@@ -346,13 +346,14 @@ class VLLMColocateEngine(GenerationEngine):
         with preserved_rng():  # the samples come from the seeded requests; the run's RNG stays as it was
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
                                         use_tqdm=False, lora_request=self._lora_request)
-        completion_ids, logprobs = [], []
+        completion_ids, logprobs, reasons = [], [], []
         for request in outputs:
             sample = request.outputs[0]
             ids = list(sample.token_ids)
             completion_ids.append(ids)
             logprobs.append([float(position[token].logprob) for position, token in zip(sample.logprobs, ids)])
-        return EngineSamples(completion_ids=completion_ids, logprobs=logprobs)
+            reasons.append(sample.finish_reason)  # "length" before max_tokens: the context ran out
+        return EngineSamples(completion_ids=completion_ids, logprobs=logprobs, finish_reasons=reasons)
 
     def sleep(self) -> None:
         """Sleep mode only: level 1 (weights to host memory) when the base stays and adapters are

@@ -138,7 +138,7 @@ class VLLMServerEngine(GenerationEngine):
         check_vllm_temperature(settings.temperature)
         seeds = request_seeds(len(prompts), generator)
 
-        def one(index: int) -> tuple[list[int], list[float]]:
+        def one(index: int) -> tuple[list[int], list[float], str | None]:
             answer = self._call("/v1/completions", self.completion_payload(prompts[index], settings, seeds[index]))
             choice = answer["choices"][0]
             ids = [int(t) for t in choice["token_ids"]]
@@ -146,13 +146,16 @@ class VLLMServerEngine(GenerationEngine):
             if logprobs is None or len(logprobs) != len(ids):
                 raise ServerError(f"The vLLM server at {self.base_url} returned no log-prob per sampled token; it "
                                   "must be a vLLM server (`trl vllm-serve`) that honours `logprobs`.")
-            return ids, [float("nan") if v is None else float(v) for v in logprobs]
+            # "length" before max_tokens: the server's context (--max-model-len) ran out; the row is a
+            # truncated response of these ids (EngineSamples.sampled_mask), never padded to max_tokens
+            return ids, [float("nan") if v is None else float(v) for v in logprobs], choice.get("finish_reason")
 
         if not prompts:
-            return EngineSamples(completion_ids=[], logprobs=[])
+            return EngineSamples(completion_ids=[], logprobs=[], finish_reasons=[])
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts))) as pool:
             answers = list(pool.map(one, range(len(prompts))))
-        return EngineSamples(completion_ids=[a[0] for a in answers], logprobs=[a[1] for a in answers])
+        return EngineSamples(completion_ids=[a[0] for a in answers], logprobs=[a[1] for a in answers],
+                             finish_reasons=[a[2] for a in answers])
 
     def _push_policy(self, policy: nn.Module, version: int) -> None:
         if not torch.cuda.is_available():
