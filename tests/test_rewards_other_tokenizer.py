@@ -261,3 +261,141 @@ def test_a_same_vocabulary_tokenizer_keeps_the_id_path_bit_identical(make_traine
     monkeypatch.setattr(PPOTrainer, "reward_text_scores", no_text_path)
     given = final_weights(reward_processing_classes=[build_tiny_tokenizer(padding_side="right")])
     assert plain.keys() == given.keys() and all(torch.equal(plain[k], given[k]) for k in plain)
+
+
+# ---------------------------------------------------------------- the same vocabulary, another rendering
+ROLE_WORDS = [f"w{i}" for i in range(40)] + ["USER", "BOT", "Q", "A"]
+USER_BOT = ("{% for m in messages %}{% if m['role'] == 'user' %}USER {{ m['content'] }} {% else %}BOT "
+            "{{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}BOT {% endif %}")
+Q_A = USER_BOT.replace("USER", "Q").replace("BOT", "A")
+
+
+def test_the_same_vocabulary_under_another_chat_template_takes_the_text_path():
+    from trl_ppo_ext.reward_text import same_rendering
+
+    policy_tok = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=USER_BOT)
+    rm_tok = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=Q_A)
+    rm = build_tiny_scorer(rm_tok)
+    assert same_vocabulary(policy_tok, rm_tok) and not same_rendering(policy_tok, rm_tok)
+    assert resolve_reward_tokenizer(rm, policy_tok, rm_tok) is rm_tok  # its own template, through text
+    twin = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=USER_BOT, padding_side="right")
+    assert same_rendering(policy_tok, twin) and resolve_reward_tokenizer(rm, policy_tok, twin) is None
+    # no template on one side only is another rendering too
+    assert resolve_reward_tokenizer(rm, policy_tok, build_tiny_tokenizer(words=ROLE_WORDS, chat_template=None)) \
+        is not None
+
+
+def test_the_same_vocabulary_with_another_plain_prompt_format_takes_the_text_path(tmp_path):
+    from tokenizers import processors
+
+    from trl_ppo_ext.reward_text import same_rendering
+
+    policy_tok = build_tiny_tokenizer()
+    rm_tok = build_tiny_tokenizer()
+    # the RM's tokenizer starts plain text with <bos> (a post-processor, as Llama's does): the policy's ids lack it
+    rm_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[
+        ("<bos>", rm_tok.bos_token_id)])
+    assert rm_tok("w1 w2")["input_ids"] == [2, 7, 8] and policy_tok("w1 w2")["input_ids"] == [7, 8]
+    assert same_vocabulary(policy_tok, rm_tok) and not same_rendering(policy_tok, rm_tok)
+    assert resolve_reward_tokenizer(build_tiny_scorer(rm_tok), policy_tok, rm_tok) is rm_tok
+
+
+def test_a_ppo_run_scores_a_same_vocabulary_rm_on_its_own_chat_template(make_trainer):
+    policy_tok = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=USER_BOT)
+    rm_tok = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=Q_A, padding_side="right")
+    rm = build_tiny_scorer(rm_tok, seed=3).eval()
+    w = policy_tok.convert_tokens_to_ids
+    data = Dataset.from_dict({"input_ids": [[w("USER"), w("w1"), w("w2"), w("BOT")]] * 4,
+                              "prompt": [[{"role": "user", "content": "w1 w2"}]] * 4})
+    trainer = make_trainer(policy_tok, reward_model=rm, reward_processing_classes=[rm_tok], train_dataset=data,
+                           total_episodes=4)
+    assert trainer.rewards[0].tokenizer is rm_tok
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    responses = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+    # by hand: the RM's own template, "Q <prompt> A <completion> ", never the policy's USER/BOT ids
+    texts = [f"Q w1 w2 A {policy_tok.decode(ids, skip_special_tokens=True)} " for ids in responses]
+    with torch.no_grad():
+        direct = rm(**rm_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)).logits[:, 0]
+    torch.testing.assert_close(rollout.scores, direct, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- plain prompts: the word boundary kept
+def metaspace_tokenizer(words):
+    """A SentencePiece-style tokenizer: words carry their leading space as '▁' (Metaspace), and the
+    decoder turns '▁' back into spaces and drops the first one -- so a completion decoded alone
+    loses the space before its first word."""
+    from tokenizers import decoders
+
+    pieces = ["<pad>", "<unk>", "<bos>", "<eos>"] + [f"▁{w}" for w in words]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(pieces)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
+                                   eos_token="<eos>")
+
+
+@pytest.mark.parametrize("kind", ["word_level", "sentencepiece"])
+def test_plain_prompt_and_completion_keep_their_word_boundary(kind):
+    from trl_ppo_ext.reward_text import plain_reward_texts
+
+    tok = build_tiny_tokenizer() if kind == "word_level" else metaspace_tokenizer([f"w{i}" for i in range(40)])
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompt_ids = [ids("w13 w14"), ids("w2")]
+    completion_ids = [ids("w7 w8") + [tok.eos_token_id], ids("w3")]
+    # decoded apart and glued (GRPO's strings): "w13 w14" + "w7 w8" -> "w13 w14w7 w8", one unknown word
+    glued = [a + b for a, b in zip(tok.batch_decode(prompt_ids, skip_special_tokens=True),
+                                   completion_texts(completion_ids, tok))]
+    assert glued == ["w13 w14w7 w8", "w2w3"]
+    prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)  # no prompt column: the decoded ids
+    assert plain_reward_texts(prompts, prompt_ids, completion_ids, tok) == ["w13 w14 w7 w8", "w2 w3"]
+    # a prompt column of strings keeps its own text; the boundary comes from the ids
+    assert plain_reward_texts(["w13  w14 ", "w2"], prompt_ids, completion_ids, tok) == ["w13  w14 w7 w8", "w2 w3"]
+
+
+def test_a_ppo_run_scores_plain_prompts_with_every_word_of_the_text(make_trainer, tok):
+    rm_tok = char_tokenizer()
+    rm = build_tiny_scorer(rm_tok, seed=3).eval()
+    w = tok.convert_tokens_to_ids
+    data = Dataset.from_dict({"input_ids": [[w("w1"), w("w14")]] * 4})  # plain prompts, no prompt column
+    trainer = make_trainer(tok, reward_model=rm, reward_processing_classes=[rm_tok], train_dataset=data,
+                           total_episodes=4)
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    responses = [r[m].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+    # by hand: the whole sequence decoded as the policy's tokenizer decodes it: "w1 w14 <words>"
+    texts = [tok.decode([w("w1"), w("w14")] + ids, skip_special_tokens=True) for ids in responses]
+    assert all(t.startswith("w1 w14 ") for t in texts if t != "w1 w14")
+    with torch.no_grad():
+        direct = rm(**rm_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)).logits[:, 0]
+    torch.testing.assert_close(rollout.scores, direct, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- texts longer than the RM reads
+def gpt2_scorer(tok, n_positions):
+    """A tiny GPT-2 reward model: learned positions, so a text past n_positions is an index error."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(4)
+    config = GPT2Config(vocab_size=len(tok), n_positions=n_positions, n_embd=16, n_layer=1, n_head=2, num_labels=1,
+                        pad_token_id=tok.pad_token_id)
+    return GPT2ForSequenceClassification(config).eval()
+
+
+def test_a_text_longer_than_the_rm_reads_is_cut_on_the_left_with_one_warning(caplog, monkeypatch):
+    from trl_ppo_ext import reward_text
+
+    rm_tok = char_tokenizer()
+    rm = gpt2_scorer(rm_tok, n_positions=8)
+    texts = ["abcdefghijkl", "xyz"]  # 12 characters (tokens) > 8: position 8 is an index error for GPT-2
+    monkeypatch.setattr(reward_text, "_warned_truncation", [], raising=False)  # this test sees the first warning
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.reward_text"):
+        scores = score_texts(rm, rm_tok, texts, batch_size=2)
+        score_texts(rm, rm_tok, texts, batch_size=2)
+    # the last 8 tokens, where the score is read: what the RM scores on "efghijkl" alone
+    with torch.no_grad():
+        alone = torch.stack([rm(**rm_tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+                             for t in ("efghijkl", "xyz")])
+    torch.testing.assert_close(scores, alone, rtol=1e-5, atol=1e-6)
+    assert caplog.text.count("longer than the 8 tokens it reads") == 1
+

@@ -79,7 +79,7 @@ from .models.quantization import is_4bit_model, make_4bit_cpu_safe
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel, with_process_reward_models
 from .rewards.scoring import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
-from .rewards.text import completion_texts, reward_texts, score_texts
+from .rewards.text import reward_model_texts, score_texts
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -903,11 +903,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
         (``reward.tokenizer``): the completions decoded, the RM's text rebuilt (its chat template
         for conversational prompts) and scored ``local_rollout_forward_batch_size`` rows at a time
-        (``reward_text.reward_texts``, ``reward_text.score_texts``). ``kwargs``: the batch's
+        (``reward_text.reward_model_texts``, ``reward_text.score_texts``). ``kwargs``: the batch's
         :meth:`reward_function_kwargs` when already built."""
         kwargs = kwargs if kwargs is not None else self.reward_function_kwargs(sample)
-        texts = completion_texts(kwargs["completion_ids"], self.processing_class)
-        rendered = reward_texts(kwargs["prompts"], texts, reward.tokenizer)
+        rendered = reward_model_texts(kwargs["prompts"], valid_token_ids(sample)[0], kwargs["completion_ids"],
+                                      self.processing_class, reward.tokenizer)  # plain: decoded as one sequence
         return score_texts(reward.source, reward.tokenizer, rendered, self.args.local_rollout_forward_batch_size,
                            device=self.accelerator.device, autocast=self.accelerator.autocast)
 

@@ -7,13 +7,18 @@ completion goes through text, as TRL GRPO does with ``reward_processing_classes`
 1. decode the completion ids with the policy's tokenizer (:func:`completion_texts`);
 2. rebuild the text the RM was trained on (:func:`reward_texts`): for conversational prompts
    the messages plus an assistant turn, rendered with the **RM's** chat template; for plain
-   prompts ``prompt + completion``;
+   prompts ``prompt + completion``, joined where the policy's tokenizer puts the boundary
+   between the two (:func:`plain_reward_texts`: the prompt and completion ids decoded as one
+   sequence, so no space between two words is lost);
 3. tokenize with the RM's tokenizer, pad on its padding side (:func:`reward_model_inputs`) and
-   read the score at each row's last real token (:func:`score_texts`).
+   read the score at each row's last real token (:func:`score_texts`). A text longer than the
+   RM reads (:func:`reward_model_max_length`) loses its start (see :func:`reward_model_inputs`).
 
-When both tokenizers have the same vocabulary (:func:`same_vocabulary`), the trainer keeps the
-id path (no decoding; bit-identical to a single-tokenizer run): :func:`resolve_reward_tokenizer`
-says which path a reward model takes.
+When both tokenizers have the same vocabulary (:func:`same_vocabulary`) *and* render prompts
+alike (:func:`same_rendering`: the chat template, and plain text's special tokens), the trainer
+keeps the id path (no decoding; bit-identical to a single-tokenizer run); an RM tokenizer of the
+same vocabulary with another template reads its own rendering, through text, as in TRL GRPO.
+:func:`resolve_reward_tokenizer` says which path a reward model takes.
 
 Notation: ``B`` completions, ``L`` RM tokens per padded row.
 """
@@ -58,6 +63,32 @@ def same_vocabulary(policy_tokenizer, reward_tokenizer) -> bool:
                if not (token == pad and token not in theirs))
 
 
+def same_rendering(policy_tokenizer, reward_tokenizer) -> bool:
+    """Whether the two tokenizers turn a prompt into the same ids, so that a reward model reading
+    the policy's ids reads what its own tokenizer would have given it.
+
+    Checked: the chat template (conversations; both None counts as the same), and plain text
+    encoded with special tokens (a BOS or EOS one of them adds, another normalizer or
+    pre-tokenizer), on a probe text made of the first ordinary tokens of the policy's vocabulary.
+    The vocabulary itself is :func:`same_vocabulary`'s question.
+
+    Example:
+        >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+        >>> same_rendering(build_tiny_tokenizer(), build_tiny_tokenizer(padding_side="right"))
+        True
+        >>> same_rendering(build_tiny_tokenizer(), build_tiny_tokenizer(chat_template="{{ messages }}"))
+        False
+    """
+    if policy_tokenizer is reward_tokenizer:
+        return True
+    if getattr(policy_tokenizer, "chat_template", None) != getattr(reward_tokenizer, "chat_template", None):
+        return False
+    special = set(policy_tokenizer.all_special_ids)
+    ordinary = sorted(i for i in policy_tokenizer.get_vocab().values() if i not in special)[:16]
+    probe = policy_tokenizer.decode(ordinary, skip_special_tokens=True)
+    return list(policy_tokenizer(probe)["input_ids"]) == list(reward_tokenizer(probe)["input_ids"])
+
+
 def resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer=None, where: str = "reward_model"):
     """The tokenizer a reward model's inputs need, or None when it reads the policy's ids as they are.
 
@@ -68,7 +99,8 @@ def resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer=None, whe
             model's own tokenizer from ``model.config._name_or_path`` when there is one.
         where: how the model was passed (``reward_model``, ``reward_funcs[1]``), for messages.
     Returns:
-        None when the vocabularies are the same (the id path), else the RM's tokenizer.
+        None when the vocabularies and the renderings are the same (the id path: :func:`same_vocabulary`
+        and :func:`same_rendering`), else the RM's tokenizer (the text path, its own template).
     Raises:
         ValueError when no tokenizer is given or loadable and the model's embeddings cannot hold the
         policy's ids (a different vocabulary for certain): scoring would be garbage.
@@ -76,7 +108,8 @@ def resolve_reward_tokenizer(model, policy_tokenizer, reward_tokenizer=None, whe
     if reward_tokenizer is None:
         reward_tokenizer = _load_own_tokenizer(model, where)
     if reward_tokenizer is not None:
-        return None if same_vocabulary(policy_tokenizer, reward_tokenizer) else reward_tokenizer
+        ids_read_alike = same_vocabulary(policy_tokenizer, reward_tokenizer)
+        return None if ids_read_alike and same_rendering(policy_tokenizer, reward_tokenizer) else reward_tokenizer
     try:
         embeddings = embedding_rows(model)
     except (NotImplementedError, AttributeError):
@@ -112,6 +145,57 @@ def _load_own_tokenizer(model, where: str):
 def completion_texts(completion_ids: Sequence[Sequence[int]], policy_tokenizer) -> list[str]:
     """The completions as text, special tokens (EOS) dropped: what GRPO's reward functions read."""
     return policy_tokenizer.batch_decode([list(ids) for ids in completion_ids], skip_special_tokens=True)
+
+
+def plain_reward_texts(prompts: Sequence[str], prompt_ids: Sequence[Sequence[int]],
+                       completion_ids: Sequence[Sequence[int]], policy_tokenizer) -> list[str]:
+    """``prompt + completion`` for plain-text prompts, joined where the policy's tokenizer joins them.
+
+    Decoded apart and glued, ``"... w14" + "w7 ..."`` reads ``w14w7``: a word-level or SentencePiece
+    decoder writes the space before a word only when a word comes before it. So the prompt and
+    completion ids are decoded as one sequence (special tokens dropped) and the completion's part
+    of it, from the end of the decoded prompt on, follows the prompt's own text; a prompt that
+    already ends in a space takes the part without its leading space. Where the decoded sequence
+    does not start with the decoded prompt (a decoder that merges across the boundary), the whole
+    decoded sequence is the text.
+
+    Args:
+        prompts: ``B`` prompt strings (the dataset's, or the decoded prompt ids).
+        prompt_ids, completion_ids: ``B`` id lists each: the real prompt tokens and the valid
+            completion tokens (``rollout.valid_token_ids``).
+    Returns:
+        ``B`` texts.
+
+    Example:
+        >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+        >>> tok = build_tiny_tokenizer()  # w1 = 7, w2 = 8, w3 = 9, <eos> = 3
+        >>> plain_reward_texts(["w1 w2"], [[7, 8]], [[9, 3]], tok)
+        ['w1 w2 w3']
+    """
+    joined = policy_tokenizer.batch_decode([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)],
+                                           skip_special_tokens=True)
+    heads = policy_tokenizer.batch_decode([list(p) for p in prompt_ids], skip_special_tokens=True)
+    texts = []
+    for prompt, head, text in zip(prompts, heads, joined):
+        if not text.startswith(head):
+            texts.append(text)
+            continue
+        tail = text[len(head):]
+        texts.append(prompt + (tail[1:] if prompt.endswith(" ") and tail.startswith(" ") else tail))
+    return texts
+
+
+def reward_model_texts(prompts: Sequence, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                       policy_tokenizer, reward_tokenizer) -> list[str]:
+    """The text a reward model of its own tokenizer scores, one per completion: conversations
+    rendered with the RM's chat template (:func:`reward_texts` on :func:`completion_texts`), plain
+    prompts joined to their completions as the policy's tokenizer joins them
+    (:func:`plain_reward_texts`)."""
+    if prompts and not isinstance(prompts[0], str):
+        return reward_texts(prompts, completion_texts(completion_ids, policy_tokenizer), reward_tokenizer)
+    if len(prompts) != len(completion_ids):
+        raise ValueError(f"reward_model_texts: {len(prompts)} prompts for {len(completion_ids)} completions.")
+    return plain_reward_texts(prompts, prompt_ids, completion_ids, policy_tokenizer)
 
 
 def reward_texts(prompts: Sequence, completions: Sequence[str], reward_tokenizer) -> list[str]:
@@ -156,16 +240,47 @@ class RewardModelInputs:
     last_index: torch.Tensor  # (B,) long: position of each row's last real token, where the score is read
 
 
+# A tokenizer's model_max_length above this is transformers' "no limit" sentinel (int(1e30)).
+_NO_LIMIT = 10**12
+_warned_truncation: list[str] = []  # the models warned about, once each per process
+
+
+def reward_model_max_length(model, reward_tokenizer=None) -> int | None:
+    """The most tokens a reward model reads: its config's ``max_position_embeddings`` (or GPT-2's
+    ``n_positions``), and its tokenizer's ``model_max_length`` when that is a real limit; the smaller
+    of those given, None when neither says. Past it a learned-position model raises an index error
+    and a RoPE one extrapolates to positions it never saw."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    limits = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions")]
+    limits.append(getattr(reward_tokenizer, "model_max_length", None))
+    limits = [n for n in limits if isinstance(n, int) and not isinstance(n, bool) and 0 < n < _NO_LIMIT]
+    return min(limits) if limits else None
+
+
 def reward_model_inputs(texts: Sequence[str], reward_tokenizer, max_length: int | None = None,
-                        add_special_tokens: bool = False) -> RewardModelInputs:
+                        add_special_tokens: bool = False, name: str = "reward model") -> RewardModelInputs:
     """``texts`` tokenized by the RM's tokenizer and padded on its ``padding_side``.
 
     Args:
-        max_length: truncate longer texts (on the tokenizer's ``truncation_side``); None keeps all.
+        max_length: the most tokens a row may hold (:func:`reward_model_max_length`); a longer
+            text keeps its **last** ``max_length`` tokens, whatever the tokenizer's
+            ``truncation_side``: the score is read at the last token, so the end of the completion,
+            which the RM judges, must stay, and the start of the prompt is what goes. Logged once
+            per ``name`` as a warning. None keeps every token.
         add_special_tokens: False (GRPO's choice: a chat template already wrote them).
     """
-    encoded = reward_tokenizer(list(texts), add_special_tokens=add_special_tokens, truncation=max_length is not None,
-                               max_length=max_length)["input_ids"]
+    encoded = reward_tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    if max_length is not None:
+        cut = sum(len(ids) > max_length for ids in encoded)
+        if cut and name not in _warned_truncation:
+            _warned_truncation.append(name)
+            logger.warning("%s: %d of %d texts are longer than the %d tokens it reads; each keeps its last %d tokens "
+                           "(the start of the prompt goes; the completion's end, where the score is read, stays). "
+                           "Shorten prompts or response_length to score whole texts.", name, cut, len(encoded),
+                           max_length, max_length)
+        encoded = [ids[-max_length:] if len(ids) > max_length else ids for ids in encoded]
     empty = [i for i, ids in enumerate(encoded) if not ids]
     if empty:
         raise ValueError(f"reward_model_inputs: text {empty[0]} ({texts[empty[0]]!r}) has no token for the reward "
@@ -187,11 +302,16 @@ def reward_model_inputs(texts: Sequence[str], reward_tokenizer, max_length: int 
 def score_texts(model, reward_tokenizer, texts: Sequence[str], batch_size: int, device=None,
                 autocast=nullcontext, max_length: int | None = None) -> torch.Tensor:
     """A reward model's scores ``(B,)`` float32 on ``texts``, ``batch_size`` rows per forward,
-    read at each row's last real token (as the trainer reads the id path's last valid token)."""
+    read at each row's last real token (as the trainer reads the id path's last valid token).
+    ``max_length``: the most tokens a row keeps (its last ones, see :func:`reward_model_inputs`);
+    None: the model's own limit (:func:`reward_model_max_length`), so no text runs past it."""
     device = device if device is not None else next(model.parameters()).device
+    if max_length is None:
+        max_length = reward_model_max_length(model, reward_tokenizer)
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     scores = []
     for start in range(0, len(texts), batch_size):
-        batch = reward_model_inputs(texts[start:start + batch_size], reward_tokenizer, max_length)
+        batch = reward_model_inputs(texts[start:start + batch_size], reward_tokenizer, max_length, name=name)
         with autocast():
             hidden = backbone_hidden(model, batch.input_ids.to(device), batch.attention_mask.to(device),
                                      batch.position_ids.to(device))
@@ -214,6 +334,7 @@ class TextRewardModel:
 
     def __init__(self, model, reward_tokenizer, batch_size: int = 8, max_length: int | None = None,
                  name: str | None = None):
+        # max_length: the most tokens of a text it reads, its last ones; None: the model's own limit
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"TextRewardModel: batch_size={batch_size!r}; it must be an integer >= 1.")
         self.model, self.reward_tokenizer = model, reward_tokenizer
