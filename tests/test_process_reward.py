@@ -209,3 +209,26 @@ def test_through_text_finds_a_separator_merged_into_another_token():
     assert prm.calls[0].tolist() == [[2, 7, 11, w0, w7, w0]]
     # cumsum 2 9 20 26 39 45: read at 3 and 5; the first lands on the merged token (its text ends the separator)
     assert out == [[(0, pytest.approx(_p(26))), (2, pytest.approx(_p(45)))]]
+
+
+
+def test_a_prm_past_its_maximum_length_scores_the_steps_that_fit():
+    from transformers import GPT2Config, GPT2ForTokenClassification
+
+    from trl_ppo_ext.process_reward import ProcessRewardModel
+
+    tok = build_tiny_tokenizer(words=[f"w{i}" for i in range(40)] + ["|"])
+    torch.manual_seed(5)
+    prm = GPT2ForTokenClassification(GPT2Config(vocab_size=len(tok), n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                                num_labels=2, pad_token_id=tok.pad_token_id))
+    fn = ProcessRewardModel(prm, tok, tok, step_separator="|")
+    w = tok.convert_tokens_to_ids
+    # <bos> w1 (2 tokens), then steps "w2 w3 |" (ends at 4), "w4 w5 |" (7), "w6 w7 |" (10 > 8: cut)
+    completion = [w(t) for t in "w2 w3 | w4 w5 | w6 w7 |".split()]
+    (pairs,) = fn(prompts=["w1"], completions=["..."], completion_ids=[completion])
+    assert [i for i, _ in pairs] == [2, 5]  # the third step's separator lies past the 8 positions
+    # the scores PRMTrainer's truncated row gives: input_ids[:8], read at 4 and 7
+    row = [tok.bos_token_id, w("w1")] + completion[:6]
+    with torch.no_grad():
+        probs = prm(input_ids=torch.tensor([row])).logits.softmax(-1)[0, :, 1]
+    assert [s for _, s in pairs] == pytest.approx([probs[4].item(), probs[7].item()], abs=1e-6)

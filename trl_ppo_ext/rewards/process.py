@@ -23,16 +23,25 @@ Two paths, as for sequence reward models (``reward_text``):
 
 A completion whose last step has no separator gets that step scored too (``final_step=True``):
 the separator is appended to the PRM's input, as ``PRMTrainer`` ends every step with one, and
-the score lands on the completion's last token. Notation: ``B`` completions, ``L`` PRM tokens.
+the score lands on the completion's last token.
+
+A row longer than the PRM reads (``reward_text.reward_model_max_length``) keeps its first tokens,
+as ``PRMTrainer`` cut its rows (``input_ids[:max_length]``): the prompt and the early steps stay
+at the positions the PRM learned them at, and a step whose separator lies past the limit gets
+no score (one warning per PRM). Cutting the start instead would drop the prompt the steps are
+judged against. Notation: ``B`` completions, ``L`` PRM tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from .scoring import processing_class_entries, separator_ends
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ProcessRewardModel", "is_token_classifier", "prm_steps_text", "separator_positions", "token_text_ends",
            "with_process_reward_models"]
@@ -68,7 +77,7 @@ class ProcessRewardModel:
     def __init__(self, model, policy_tokenizer, reward_tokenizer=None, step_separator: str = "\n",
                  positive_label: int = 1, final_step: bool = True, through_text: bool = False, batch_size: int = 8,
                  name: str | None = None):
-        from .text import resolve_reward_tokenizer
+        from .text import resolve_reward_tokenizer, reward_model_max_length
 
         labels = getattr(getattr(model, "config", None), "num_labels", None)
         if not isinstance(labels, int) or labels < 2:
@@ -95,6 +104,8 @@ class ProcessRewardModel:
         self.step_separator, self.positive_label = step_separator, positive_label
         self.final_step, self.batch_size = final_step, batch_size
         self.separator_ids = _separator_ids(self.tokenizer, step_separator)
+        self.max_length = reward_model_max_length(model, self.tokenizer)  # None: no limit known
+        self._warned_truncation = False
 
     def __call__(self, prompts, completions, completion_ids, **kwargs) -> list[list[tuple[int, float]]]:
         """Per completion, ``[(token_index, P(good step)), ...]`` in GRPO's convention: the index
@@ -106,8 +117,22 @@ class ProcessRewardModel:
             rows.append(head + body)
             reads.append([len(head) + r for r in read])
             places.append(place)
+        rows, reads = self._truncated(rows, reads)
         scores = self._scores(rows, reads)
-        return [list(zip(place, score)) for place, score in zip(places, scores)]
+        return [list(zip(place, score)) for place, score in zip(places, scores)]  # zip: unread steps drop
+
+    def _truncated(self, rows: list[list[int]], reads: list[list[int]]) -> tuple[list, list]:
+        """Rows cut to ``max_length`` tokens, keeping their start (``PRMTrainer``'s cut), and the
+        reads that still fall inside them; warns once when anything was cut."""
+        limit = self.max_length
+        if limit is None or all(len(r) <= limit for r in rows):
+            return rows, reads
+        if not self._warned_truncation:
+            self._warned_truncation = True
+            logger.warning("ProcessRewardModel %r: %d of %d inputs are longer than the %d tokens it reads; each keeps "
+                           "its first %d (as PRMTrainer truncates) and the steps past them are not scored.",
+                           self.__name__, sum(len(r) > limit for r in rows), len(rows), limit, limit)
+        return [r[:limit] for r in rows], [[t for t in at if t < limit] for at in reads]
 
     # ----------------------------------------------------------------- building the PRM's input
     def _prompt_ids(self, prompt) -> list[int]:
