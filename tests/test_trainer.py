@@ -222,9 +222,9 @@ def test_trl_config_is_accepted(tmp_path, make_trainer):
                             per_device_train_batch_size=4, num_sample_generations=0, kl_coef=0.123)
     from dataclasses import fields
 
-    from trl_ppo_ext.trainer import _as_our_config
+    from trl_ppo_ext.config import as_ppo_config
 
-    converted = _as_our_config(trl_args)  # built by PPOConfig's own constructor: every TRL value carries over
+    converted = as_ppo_config(trl_args)  # built by PPOConfig's own constructor: every TRL value carries over
     changed = [f.name for f in fields(trl_args) if f.init and getattr(converted, f.name) != getattr(trl_args, f.name)]
     assert changed == []
     trainer = make_trainer(args=trl_args)
