@@ -252,7 +252,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             args.kl_coef, args.adaptive_kl, args.kl_target if args.adaptive_kl else None,
             args.kl_horizon if args.adaptive_kl else None,
         )
-        self.guards = GuardRails(args.guard_settings())
+        self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
+        self.guards = GuardRails(args.guard_settings(), self.counters)
         self.eval_metrics = dict(eval_metrics or {})
         for name, fn in self.eval_metrics.items():
             if not callable(fn):
@@ -263,7 +264,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
                 "eval metric."
             )
-        self.counters = RunCounters()
         self._protected_checkpoints: set[str] = set()
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
         self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
@@ -601,7 +601,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 self.guards.fresh_rollout()
                 self.counters.rollout_age = age
                 return rollout
-            self.counters.stale_discarded += 1
             logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
                            "regenerating it with the current policy.", update, age, self.args.max_rollout_age)
             decision = self.guards.stale_rollout(update)
@@ -882,7 +881,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             if not self.is_deepspeed_enabled:  # the engine keeps its own loss scale
                 skip_scaler_step(getattr(self.accelerator, "scaler", None), self.optimizer)
             self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
-            self.counters.nonfinite_steps += 1
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
             return self.guards.nonfinite_step(update)
         self.optimizer.step()
