@@ -249,3 +249,27 @@ def completions_table(batches: Iterable, sample: Callable[[dict], SampledBatch],
             break
     rows = len(table["query"])
     return pd.DataFrame({k: v + [None] * (rows - len(v)) for k, v in table.items()})
+
+
+def checked_eval_metrics(eval_metrics: dict | None, reward_names: Sequence[str] = ()) -> dict:
+    """The trainer's ``eval_metrics`` (name -> ``(prompts, completions) -> list[float]``) as a
+    new dict, each logged as ``eval/<name>`` beside the rewards' own ``eval/<reward name>``.
+
+    Raises:
+        TypeError: an entry is not callable, naming it. ValueError: a name is also a reward's.
+
+    Example:
+        >>> sorted(checked_eval_metrics({"length": lambda prompts, completions: [0.0]}, ["rm"]))
+        ['length']
+    """
+    metrics = dict(eval_metrics or {})
+    for name, fn in metrics.items():
+        if not callable(fn):
+            raise TypeError(f"eval_metrics[{name!r}] must be a callable (prompts, completions) -> list[float].")
+    clash = sorted(set(reward_names) & set(metrics))
+    if clash:
+        raise ValueError(
+            f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
+            "eval metric."
+        )
+    return metrics

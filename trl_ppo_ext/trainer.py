@@ -59,6 +59,7 @@ from .gradients import clip_gradients, skip_scaler_step
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
 from .metrics import (
+    checked_eval_metrics,
     completions_table,
     evaluation_row,
     reward_statistics,
@@ -67,7 +68,7 @@ from .metrics import (
     update_metrics,
     user_metric_rows,
 )
-from .models.assembly import build_policy_and_value, build_reference, check_separate_reference, reference_adapter
+from .models import assembly
 from .models.offload import on_device
 from .models.prepare import (
     disable_dropout,
@@ -169,7 +170,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.processing_class = processing_class
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
         check_prompt_dataset(train_dataset, processing_class)
-        check_separate_reference(model, ref_model)
+        assembly.check_separate_reference(model, ref_model)
         # a token classifier (TRL's PRMTrainer) is a process reward: its step scores on the separators
         self.rewards, reward_processing_classes = with_process_reward_models(
             self.rewards, processing_class, reward_processing_classes, args.step_separator)
@@ -183,7 +184,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.train_dataset_len = len(train_dataset)
 
-        wrapper = build_policy_and_value(model, value_model, peft_config)
+        wrapper = assembly.build_policy_and_value(model, value_model, peft_config)
         self.policy_model, self.value_model = wrapper.policy, value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
         self.model_adapter_name, self.ref_adapter_name = args.model_adapter_name, args.ref_adapter_name
@@ -195,7 +196,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             if dataset is not None:
                 check_prompt_lengths(dataset, name, max_positions, args.response_length)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
-        self.ref_model = build_reference(self.policy_model, ref_model, self.is_peft_model)
+        self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
             entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
                             *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
@@ -254,16 +255,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         )
         self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
         self.guards = GuardRails(args.guard_settings(), self.counters)
-        self.eval_metrics = dict(eval_metrics or {})
-        for name, fn in self.eval_metrics.items():
-            if not callable(fn):
-                raise TypeError(f"eval_metrics[{name!r}] must be a callable (prompts, completions) -> list[float].")
-        clash = sorted({r.name for r in self.rewards} & set(self.eval_metrics))
-        if clash:
-            raise ValueError(
-                f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
-                "eval metric."
-            )
+        self.eval_metrics = checked_eval_metrics(eval_metrics, [r.name for r in self.rewards])
         self._protected_checkpoints: set[str] = set()
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
         self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
@@ -309,12 +301,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         the adapter it ran forward with; it refuses reentrant checkpointing, and the run then
         goes on without checkpointing, with a warning saying why.
         """
-        args = self.args
-        if not (getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing):
+        kwargs = assembly.checkpointing_kwargs(self.args)
+        if kwargs is None:
             return
-        kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
-                      or {})
-        kwargs.setdefault("use_reentrant", False)
         try:
             wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         except ValueError as err:
@@ -452,7 +441,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def null_ref_context(self):
         """The policy as the reference: adapter disabled (or the named reference adapter), every
         ``requires_grad`` flag restored on exit (``models.assembly.reference_adapter``)."""
-        return reference_adapter(self.unwrapped.policy, self.unwrapped.parameters(), self.ref_adapter_name,
+        return assembly.reference_adapter(self.unwrapped.policy, self.unwrapped.parameters(), self.ref_adapter_name,
                                  self.model_adapter_name)
 
     # ------------------------------------------------------------------ phases

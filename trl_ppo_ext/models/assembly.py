@@ -32,7 +32,10 @@ from torch import nn
 
 from .policy_value import PolicyAndValue
 
-__all__ = ["build_policy_and_value", "build_reference", "check_separate_reference", "reference_adapter"]
+__all__ = [
+    "build_policy_and_value", "build_reference", "check_separate_reference", "checkpointing_kwargs",
+    "reference_adapter",
+]
 
 
 def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft_config=None) -> nn.Module:
@@ -139,3 +142,22 @@ def reference_adapter(policy: nn.Module, parameters: Iterable[nn.Parameter], ref
     finally:
         for param, flag in flags:
             param.requires_grad_(flag)
+
+
+def checkpointing_kwargs(args) -> dict | None:
+    """The ``gradient_checkpointing_kwargs`` a config asks the trained models to checkpoint
+    with, or None when it asks for no checkpointing: transformers' ``activation_checkpointing``
+    (its new name) or ``gradient_checkpointing`` (TRL's default True), with their kwargs,
+    non-reentrant unless they say otherwise.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> checkpointing_kwargs(SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=None))
+        {'use_reentrant': False}
+        >>> checkpointing_kwargs(SimpleNamespace(gradient_checkpointing=False, gradient_checkpointing_kwargs=None))
+    """
+    if not (getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing):
+        return None
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
+    kwargs.setdefault("use_reentrant", False)
+    return kwargs
