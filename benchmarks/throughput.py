@@ -292,11 +292,14 @@ def timed_upstream(trainer, clock: Clock):
 @contextmanager
 def timed_update_parts(trainer, clock: Clock):
     """Time backward, gradient clipping (norm included) and the optimizer step of either trainer,
-    by shadowing the bound methods on its own ``accelerator``, ``optimizer`` and (ours'
-    ``_clip_gradients``) trainer instances."""
-    # ours clips (and takes the norm) in _clip_gradients, without accelerate's clip_grad_norm_
-    ours = hasattr(trainer, "_clip_gradients")
-    clip = (trainer, "_clip_gradients") if ours else (trainer.accelerator, "clip_grad_norm_")
+    by shadowing the bound methods on its own ``accelerator`` and ``optimizer`` instances and
+    (ours) the trainer module's ``gradients.clip_gradients``."""
+    import trl_ppo_ext.trainer as ours_module
+    from trl_ppo_ext import PPOTrainer
+
+    # ours clips (and takes the norm) in gradients.clip_gradients, without accelerate's clip_grad_norm_
+    ours = isinstance(trainer, PPOTrainer)
+    clip = (ours_module, "clip_gradients") if ours else (trainer.accelerator, "clip_grad_norm_")
     targets = ((trainer.accelerator, "backward", "update.backward"),
                (*clip, "update.clip"),
                (trainer.optimizer, "step", "update.step"))
@@ -307,13 +310,17 @@ def timed_update_parts(trainer, clock: Clock):
                 return method(*args, **kwargs)
         return wrapper
 
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
     for obj, name, phase in targets:
         setattr(obj, name, timed(getattr(obj, name), phase))
     try:
         yield
     finally:
-        for obj, name, _ in targets:
-            del obj.__dict__[name]  # the class's method shows through again
+        for obj, name, original in originals:
+            if isinstance(obj, types.ModuleType):
+                setattr(obj, name, original)
+            else:
+                del obj.__dict__[name]  # the class's method shows through again
 
 
 # ---------------------------------------------------------------------------- set-up

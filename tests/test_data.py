@@ -208,3 +208,42 @@ def test_other_columns_reach_reward_functions_row_aligned_and_messages_stay_mess
     assert batch["answer"] == ["w0", "w2"]  # the rows kept, in order: answer still matches its prompt
     assert batch["prompt"] == [[user("w0")], [user("w1 w2")]]  # messages, not text
     assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]  # fresh, from the new ids
+
+
+# ---------------------------------------------------------------- one prompt rule, two users
+def test_too_long_prompts_is_the_one_rule_render_prompts_and_the_trainer_apply():
+    from trl_ppo_ext.data import check_prompt_lengths, too_long_prompts
+
+    # limit 4: 5 > 4 too long; 4 fits; an empty prompt is never "too long" (it is dropped as empty)
+    assert too_long_prompts([5, 4, 0], [False, False, True], 4) == [True, False, False]
+    assert too_long_prompts([500], [False], None) == [False]  # no limit
+    tok = build_tiny_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["w0", "w0 w1 w2 w3 w4 w5"]})
+    kept, info = render_prompts(ds, tok, use_chat_template=False, response_length=4, max_length=8)
+    assert info.num_too_long == 1 and info.max_prompt_tokens == 4
+    check_prompt_lengths(kept, "train_dataset", max_positions=8, response_length=4)  # what it keeps passes
+    encoded = Dataset.from_dict({"input_ids": [tok("w0 w1 w2 w3 w4 w5")["input_ids"]]})
+    with pytest.raises(ValueError, match=r"`train_dataset` has 1 prompt\(s\) longer than 4 tokens"):
+        check_prompt_lengths(encoded, "train_dataset", max_positions=8, response_length=4)
+
+
+def test_check_prompt_lengths_refuses_empty_prompts_and_skips_torch_datasets():
+    from trl_ppo_ext.data import check_prompt_lengths
+
+    with pytest.raises(ValueError, match=r"`eval_dataset` holds 1 empty prompt\(s\)"):
+        check_prompt_lengths(Dataset.from_dict({"input_ids": [[1], []]}), "eval_dataset", None, 4)
+    check_prompt_lengths([{"input_ids": []}], "train_dataset", 8, 4)  # no column_names: checked per batch later
+    check_prompt_lengths(Dataset.from_dict({"input_ids": [[1] * 100]}), "train_dataset", None, 4)  # no limit
+
+
+def test_check_prompt_dataset_names_what_is_missing():
+    from types import SimpleNamespace
+
+    from trl_ppo_ext.data import check_prompt_dataset
+
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        check_prompt_dataset(None, SimpleNamespace(pad_token_id=0))
+    with pytest.raises(ValueError, match="`train_dataset` is empty"):
+        check_prompt_dataset(Dataset.from_dict({"input_ids": []}), SimpleNamespace(pad_token_id=0))
+    with pytest.raises(ValueError, match=r"`processing_class` \(SimpleNamespace\) has no pad token"):
+        check_prompt_dataset(Dataset.from_dict({"input_ids": [[1]]}), SimpleNamespace(pad_token_id=None))

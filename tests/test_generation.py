@@ -492,3 +492,20 @@ def test_an_own_folder_is_used_only_while_its_shapes_match(tmp_path):
     engine._workdir, engine.sync_mode = str(tmp_path / "work"), "full"
     model.name_or_path = str(tmp_path / "base")
     assert engine._model_source(model) == str(tmp_path / "work" / "model")  # a fresh copy instead
+
+
+def test_sampling_weights_are_the_configured_importance_weights_or_none():
+    from trl_ppo_ext.generation.mismatch import sampling_weights
+
+    old = torch.tensor([[0.0, -1.0], [-2.0, -0.5]])
+    engine = torch.tensor([[-1.0, -1.0], [-2.0, -2.5]])
+    mask = torch.tensor([[True, True], [True, False]])
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+                           vllm_importance_sampling_clip_min=0.1, vllm_importance_sampling_clip_max=3.0)
+    expected = importance_sampling_weights(old, engine, mask, "sequence_mask", 0.1, 3.0)
+    assert torch.equal(sampling_weights(old, engine, mask, args), expected) and expected.shape == (2, 1)
+    assert sampling_weights(old, None, mask, args) is None  # sampled by transformers' generate
+    args.vllm_importance_sampling_correction = False
+    assert sampling_weights(old, engine, mask, args) is None

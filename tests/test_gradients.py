@@ -101,3 +101,58 @@ def test_non_finite_norms():
     assert math.isnan(norm.item())
     for p, v in zip(nan_params, values):  # left as they were; the trainer skips the step
         assert torch.equal(p.grad.nan_to_num(), v.nan_to_num())
+
+
+# ---------------------------------------------------------------- the trainer's clipping and fp16 skip
+class _Accelerator:
+    """What clip_gradients reads of accelerate's Accelerator on one device."""
+
+    def __init__(self, distributed_type="NO", engine_norm=None):
+        self.distributed_type, self.device, self.engine_norm = distributed_type, torch.device("cpu"), engine_norm
+        self.unscaled = 0
+
+    def unscale_gradients(self):
+        self.unscaled += 1
+
+    def clip_grad_norm_(self, params, max_norm):
+        return self.engine_norm if params is None else torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _model_with_grads():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(1, 1, bias=False))
+    model[0].weight.grad = torch.tensor([[3.0, 0.0]])
+    model[1].weight.grad = torch.tensor([[4.0]])
+    model[1].weight.requires_grad_(False)  # frozen: not clipped, not counted
+    return model
+
+
+def test_clip_gradients_unscales_then_clips_the_trainable_gradients_only():
+    acc, model = _Accelerator(), _model_with_grads()
+    norm = gradients.clip_gradients(acc, model, max_grad_norm=1.5)
+    assert acc.unscaled == 1 and norm.dtype == torch.float32 and norm.item() == 3.0  # sqrt(3^2 + 0^2)
+    torch.testing.assert_close(model[0].weight.grad, torch.tensor([[1.5, 0.0]]), rtol=0, atol=1e-5)  # 3 * 1.5/3
+    assert model[1].weight.grad.tolist() == [[4.0]]
+
+
+def test_clip_gradients_under_deepspeed_reports_the_engines_norm():
+    norm = gradients.clip_gradients(_Accelerator(engine_norm=2.5), _model_with_grads(), 1.0, deepspeed=True)
+    assert norm.item() == 2.5
+    assert math.isnan(gradients.clip_gradients(_Accelerator(engine_norm=None), _model_with_grads(), 1.0,
+                                               deepspeed=True).item())
+
+
+@pytest.mark.parametrize("grad, scale_after", [(1.0, 512.0), (math.inf, 512.0)])
+def test_skip_scaler_step_backs_the_scale_off_and_lets_the_next_step_unscale(grad, scale_after):
+    p = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    wrapped = type("Wrapped", (), {"optimizer": optimizer})()  # accelerate's AcceleratedOptimizer holds it
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(p.sum() * grad).backward()
+    scaler.unscale_(optimizer)
+    assert gradients.scaler_found_inf(scaler, wrapped) is (grad == math.inf)
+    gradients.skip_scaler_step(scaler, wrapped)
+    assert scaler.get_scale() == scale_after  # backoff factor 0.5, as GradScaler.update after an overflow
+    optimizer.zero_grad()
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(optimizer)  # raised "unscale_() has already been called" without the update
+    gradients.skip_scaler_step(None, wrapped)  # no scaler (bf16/fp32): nothing to do

@@ -164,3 +164,31 @@ def test_sampling_metrics_by_hand_over_two_processes():
                                    "sampling/missing_engine_logprobs": 1.0}, abs=1e-6)
     rollout.engine_logprobs = None  # sampled by transformers: nothing to log
     assert sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=True) == {}
+
+
+def test_completions_table_gathers_every_column_and_fills_missing_extras_with_none():
+    from trl_ppo_ext.metrics import completions_table
+    from trl_ppo_ext.rewards.logs import RewardLogs
+    from trl_ppo_ext.rollout import SampledBatch
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # w0=6, w1=7, <eos>=3, <pad>=0
+    logs = RewardLogs()
+
+    def sample(batch):
+        return SampledBatch(queries=torch.tensor([[0, batch["id"]]]), query_mask=torch.tensor([[False, True]]),
+                            responses=torch.tensor([[7, 3, 0]]), response_mask=torch.tensor([[True, True, False]]),
+                            has_stop=torch.tensor([True]))
+
+    def score(rollout):
+        if rollout.queries[0, 1] == 7:  # only the second batch logs an extra column
+            logs.log_extra("verdict", ["ok"])
+        return torch.tensor([float(rollout.queries[0, 1])])
+
+    gather = lambda xs, use_gather_object=False: xs  # noqa: E731 -- one process
+    df = completions_table([{"id": 6}, {"id": 7}], sample, score, tok, logs, gather=gather)
+    assert df[["query", "model response", "score"]].to_dict("list") == {
+        "query": ["w0", "w1"], "model response": ["w1 <eos>", "w1 <eos>"], "score": [6.0, 7.0]}
+    assert df["verdict"].isna().tolist() == [True, False] and df["verdict"][1] == "ok"  # None: pandas' missing
+    first = completions_table([{"id": 6}, {"id": 7}], sample, score, tok, logs, gather=gather, first_only=True)
+    assert first["query"].tolist() == ["w0"]

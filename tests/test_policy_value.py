@@ -34,3 +34,57 @@ def test_policy_and_value_keep_the_same_last_positions():
     assert logits.shape[1] == values.shape[1] == 3
     torch.testing.assert_close(logits, full_logits[:, -3:], rtol=0, atol=1e-6)
     torch.testing.assert_close(values, full_values[:, -3:], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- assembling the trainer's models
+def test_build_policy_and_value_assembles_each_combination_and_refuses_the_others():
+    import pytest
+    from peft import LoraConfig, PeftModel
+
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
+    from trl_ppo_ext.models.assembly import build_policy_and_value, build_reference, check_separate_reference
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])
+    pair = build_policy_and_value(build_tiny_causal_lm(tok), build_tiny_scorer(tok), None)
+    assert isinstance(pair, PolicyAndValue) and not isinstance(pair.policy, PeftModel)
+    lora_pair = build_policy_and_value(build_tiny_causal_lm(tok), build_tiny_scorer(tok), lora)
+    assert isinstance(lora_pair.policy, PeftModel)
+    shared = build_policy_and_value(build_tiny_causal_lm(tok), None, lora)
+    assert isinstance(shared, SharedActorCritic) and build_policy_and_value(shared, None, None) is shared
+    with pytest.raises(ValueError, match="value_model=None asks for a shared-backbone value head"):
+        build_policy_and_value(build_tiny_causal_lm(tok), None, None)
+    with pytest.raises(ValueError, match="and a separate `value_model` was passed too"):
+        build_policy_and_value(shared, build_tiny_scorer(tok), None)
+    with pytest.raises(ValueError, match="`model` is already a PeftModel and `peft_config` was passed too"):
+        build_policy_and_value(lora_pair.policy, build_tiny_scorer(tok), lora)
+    policy = build_tiny_causal_lm(tok)
+    with pytest.raises(ValueError, match="`model` and `ref_model` are the same object"):
+        check_separate_reference(policy, policy)
+    ref = build_reference(policy, None, is_peft=False)  # a frozen copy; the policy stays trainable
+    assert ref is not policy and not any(p.requires_grad for p in ref.parameters())
+    assert all(p.requires_grad for p in policy.parameters()) and build_reference(policy, None, is_peft=True) is None
+
+
+def test_reference_adapter_disables_the_adapter_and_restores_every_requires_grad_flag():
+    from peft import LoraConfig, get_peft_model
+
+    from trl_ppo_ext.models.assembly import reference_adapter
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])
+    policy = get_peft_model(build_tiny_causal_lm(tok), lora)
+    lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b.fill_(0.5)  # the adapter changes the logits
+    value_head = nn.Linear(1, 1)  # stands for a separate value adapter peft would freeze
+    flags = [p.requires_grad for p in [*policy.parameters(), *value_head.parameters()]]
+    ids = torch.tensor([[7, 8, 9]])
+    with torch.no_grad():
+        adapted = policy(input_ids=ids).logits
+        with reference_adapter(policy, [*policy.parameters(), *value_head.parameters()]):
+            value_head.requires_grad_(False)  # what peft's set_adapter did to a second adapter
+            base = policy(input_ids=ids).logits
+        again = policy(input_ids=ids).logits
+    assert not torch.equal(adapted, base) and torch.equal(adapted, again)
+    assert [p.requires_grad for p in [*policy.parameters(), *value_head.parameters()]] == flags

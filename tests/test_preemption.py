@@ -176,3 +176,31 @@ def test_on_sigterm_off_leaves_the_signal_alone(tmp_path, make_sigterm_run):
     trainer = make_sigterm_run(tmp_path, cls=Look, on_sigterm="off", total_episodes=4)
     trainer.train()
     assert trainer.seen is before
+
+
+def test_stop_if_preempted_carries_where_the_update_resumes_and_asks_no_one_after_its_last_step():
+    from dataclasses import make_dataclass
+
+    from trl_ppo_ext.run.preemption import UpdatePreempted, stop_if_preempted
+
+    part = make_dataclass("Part", ["x", "n"])(x=torch.arange(4), n=4)
+    asked = []
+
+    def agreed():
+        asked.append(1)
+        return True
+
+    shape = dict(num_ppo_epochs=2, num_mini_batches=3, rollout_age=5)
+    stop_if_preempted(part, part, (1, 2), torch.arange(4), {}, stop_agreed=agreed, **shape)  # the last step
+    assert asked == []
+    stop_if_preempted(part, part, (0, 0), torch.arange(4), {}, stop_agreed=lambda: False, **shape)  # no SIGTERM
+    order = torch.tensor([3, 1, 0, 2])
+    with pytest.raises(UpdatePreempted, match="SIGTERM after PPO epoch 0, mini-batch 1") as mid:
+        stop_if_preempted(part, part, (0, 1), order, {"loss": [torch.tensor(1.0)]}, stop_agreed=agreed, **shape)
+    inflight = mid.value.inflight
+    assert (inflight.epoch, inflight.mini_batch, inflight.rollout_age) == (0, 2, 5) and inflight.order is order
+    assert inflight.rollout == {"x": part.x, "n": 4} and inflight.stats == {"loss": [torch.tensor(1.0)]}
+    with pytest.raises(UpdatePreempted) as boundary:  # the epoch's last mini-batch: the next epoch shuffles afresh
+        stop_if_preempted(part, part, (0, 2), order, {}, stop_agreed=agreed, **shape)
+    assert (boundary.value.inflight.epoch, boundary.value.inflight.mini_batch) == (1, 0)
+    assert boundary.value.inflight.order is None

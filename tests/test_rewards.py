@@ -298,3 +298,56 @@ def test_trl_ready_made_reward_functions_work_as_is(make_trainer, tok):
     log = [h for h in trainer.state.log_history if "objective/scores" in h][-1]
     assert log["rewards/think_format_reward/mean"] == 0.0  # no <think> tags from a random tiny model
     assert all(math.isfinite(log[f"rewards/{r.name}/mean"]) for r in trainer.rewards)
+
+
+# ---------------------------------------------------------------- what the trainer hands the rewards
+def test_reward_function_kwargs_take_the_prompt_column_and_answer_conversations_as_messages():
+    from trl_ppo_ext.rewards.scoring import reward_function_kwargs
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # w0=6, w1=7, <eos>=3
+    chat = [[{"role": "user", "content": "w0"}]]
+    kwargs = reward_function_kwargs(tok, [[4, 6, 3, 5]], [[7, 3]], {"prompt": chat, "answer": ["w1"],
+                                                                 "completion": ["dropped"]},
+                                    trainer_state="state", logged={"log_metric": print})
+    assert kwargs["prompts"] is chat and kwargs["completions"] == [[{"role": "assistant", "content": "w1"}]]
+    assert kwargs["completion_ids"] == [[7, 3]] and kwargs["answer"] == ["w1"] and "completion" not in kwargs
+    assert kwargs["trainer_state"] == "state" and kwargs["log_metric"] is print
+
+
+def test_check_reward_heads_names_the_reward_funcs_entry_with_a_wide_head():
+    from transformers import LlamaForSequenceClassification
+
+    from trl_ppo_ext.rewards.scoring import check_reward_heads
+    from trl_ppo_ext.tiny import build_tiny_scorer, build_tiny_tokenizer, tiny_llama_config
+
+    tok = build_tiny_tokenizer()
+    good, wide = build_tiny_scorer(tok), LlamaForSequenceClassification(tiny_llama_config(tok, num_labels=3))
+    check_reward_heads(build_rewards(good, [len], None), good)
+    with pytest.raises(ValueError, match=r"`reward_funcs\[1\]`'s score head has 3 outputs"):
+        check_reward_heads(build_rewards(good, [len, wide], None), good)
+    with pytest.raises(ValueError, match="`reward_model`'s score head has 3 outputs"):
+        check_reward_heads(build_rewards(wide, None, None), wide)
+
+
+def test_rewards_per_token_builds_the_kwargs_once_and_gives_zeros_without_token_outputs():
+    from trl_ppo_ext.rewards.scoring import rewards_per_token
+
+    calls = []
+
+    def kwargs():
+        calls.append(1)
+        return {"completions": ["a", "b"]}
+
+    model = torch.nn.Linear(1, 1)
+    rewards = [Reward("rm", model, 1.0), Reward("length", lambda completions, **kw: [1.0, 2.0], 0.5)]
+    # the model reads the kwargs too (a reward model of another vocabulary reads the text)
+    scores, values, applies, token = rewards_per_token(
+        rewards, lambda reward, fk: torch.tensor([float(len(fk()["completions"]))] * 2), kwargs,
+        torch.ones(2, 3, dtype=torch.bool), update=1)
+    assert calls == [1]
+    torch.testing.assert_close(scores, torch.tensor([2.0 + 0.5, 2.0 + 1.0]), rtol=0, atol=0)  # 2 + 0.5 * (1, 2)
+    assert torch.equal(token, torch.zeros(2, 3))  # a function ran: zeros, not None
+    only_model = rewards_per_token(rewards[:1], lambda reward, fk: torch.ones(2), kwargs,
+                                   torch.ones(2, 3, dtype=torch.bool), update=1)
+    assert only_model[3] is None and calls == [1]

@@ -222,9 +222,9 @@ def test_trl_config_is_accepted(tmp_path, make_trainer):
                             per_device_train_batch_size=4, num_sample_generations=0, kl_coef=0.123)
     from dataclasses import fields
 
-    from trl_ppo_ext.trainer import _as_our_config
+    from trl_ppo_ext.config import as_ppo_config
 
-    converted = _as_our_config(trl_args)  # built by PPOConfig's own constructor: every TRL value carries over
+    converted = as_ppo_config(trl_args)  # built by PPOConfig's own constructor: every TRL value carries over
     changed = [f.name for f in fields(trl_args) if f.init and getattr(converted, f.name) != getattr(trl_args, f.name)]
     assert changed == []
     trainer = make_trainer(args=trl_args)
@@ -273,3 +273,22 @@ def test_all_eos_responses_train(make_trainer, make_models, assert_metrics):
     last = trainer.state.log_history[-1]
     assert last["val/response_length"] == 1.0 and last["val/eos_rate"] == 1.0
     assert_metrics(trainer, n_updates=2)
+
+
+def test_mixed_precision_reads_the_config_then_the_launcher():
+    from trl_ppo_ext.config import mixed_precision
+
+    launcher = {"ACCELERATE_MIXED_PRECISION": "fp16"}
+    assert mixed_precision(SimpleNamespace(fp16=True, bf16=False), environ={}) == "fp16"
+    assert mixed_precision(SimpleNamespace(fp16=False, bf16=True), environ=launcher) == "bf16"  # the config wins
+    assert mixed_precision(SimpleNamespace(fp16=False, bf16=False), environ=launcher) == "fp16"
+    assert mixed_precision(SimpleNamespace(), environ={}) == "no"
+
+
+def test_as_ppo_config_returns_ours_as_it_is_and_names_a_wrong_type(make_config):
+    from trl_ppo_ext.config import as_ppo_config
+
+    args = make_config()
+    assert as_ppo_config(args) is args
+    with pytest.raises(TypeError, match=r"`args` must be a trl_ppo_ext.PPOConfig.*got dict"):
+        as_ppo_config({})

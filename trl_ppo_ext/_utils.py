@@ -1,4 +1,5 @@
-"""Small helpers several modules share: durable JSON files and logging a message once.
+"""Small helpers several modules share: durable JSON files, logging a message once and the
+``metadata={"help": ...}`` of config dataclass fields.
 
 Kept apart so that the checkpoint, manifest, offload and quantization modules depend on this
 one instead of on each other.
@@ -117,3 +118,14 @@ def optional_number_from_text(value: Any, kind: type, *, owner: str, name: str, 
         raise ValueError(
             f"{owner}.{name} must be {article} or None, got {value!r}; e.g. --{name} None {off}."
         ) from None
+
+
+def help_metadata(text: str) -> dict:
+    """A dataclass field's ``metadata``: ``{"help": text}``, what ``HfArgumentParser`` prints
+    for ``--help`` (``field(default=..., metadata=help_metadata("..."))``).
+
+    Example:
+        >>> help_metadata("Updates before the guards count.")
+        {'help': 'Updates before the guards count.'}
+    """
+    return {"help": text}

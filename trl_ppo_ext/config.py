@@ -17,10 +17,11 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from ._compat import PPOConfigBase
+from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
@@ -358,3 +359,50 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
                 f"PPOConfig.critic_warmup_explained_variance={threshold} needs critic_warmup_steps > 0 (the most "
                 "updates the warm-up may take), got critic_warmup_steps=0."
             )
+
+
+def as_ppo_config(args) -> PPOConfig:
+    """``args`` as our :class:`PPOConfig`: returned as it is when it already is one; TRL's own
+    ``PPOConfig`` (where the installed TRL has one) is copied field by field through our
+    constructor, so our ``__post_init__`` checks run and our own fields take their defaults.
+
+    Raises:
+        TypeError: ``args`` is neither, naming the type received and how to build ours.
+
+    Example:
+        >>> import tempfile
+        >>> args = PPOConfig(output_dir=tempfile.mkdtemp(), report_to=[], bf16=False)
+        >>> as_ppo_config(args) is args
+        True
+    """
+    if isinstance(args, PPOConfig):
+        return args
+    upstream = upstream_ppo_config()
+    if upstream is None or not isinstance(args, upstream):
+        accepted = "trl_ppo_ext.PPOConfig" + ("" if upstream is None else " or TRL's PPOConfig")
+        raise TypeError(
+            f"`args` must be a {accepted}, got {type(args).__name__}. Build it with "
+            "`trl_ppo_ext.PPOConfig(output_dir=..., ...)` (it takes every TRL PPOConfig field)."
+        )
+    ours = {f.name for f in fields(PPOConfig) if f.init}
+    return PPOConfig(**{f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in ours})
+
+
+def mixed_precision(args, environ=None) -> str:
+    """The precision a config asks for, as transformers' ``Trainer`` reads it: ``"fp16"`` /
+    ``"bf16"`` from the config, else the launcher's (``accelerate launch --mixed_precision``,
+    the ``ACCELERATE_MIXED_PRECISION`` variable of ``environ``, default ``os.environ``), else
+    ``"no"``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> mixed_precision(SimpleNamespace(fp16=False, bf16=True), environ={})
+        'bf16'
+        >>> mixed_precision(SimpleNamespace(fp16=False, bf16=False), environ={"ACCELERATE_MIXED_PRECISION": "fp16"})
+        'fp16'
+    """
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return (os.environ if environ is None else environ).get("ACCELERATE_MIXED_PRECISION", "no")

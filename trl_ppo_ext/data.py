@@ -18,7 +18,7 @@ cut off the generation prompt that tells the model to answer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from datasets import Dataset
@@ -241,7 +241,7 @@ def _count_and_select(encoded: Dataset, column, conversational, templated, limit
     """Count the drops and return ``(info, indices of kept rows)``."""
     empty = [bool(e) for e in encoded["_empty"]]
     lengths = [int(n) for n in encoded["_length"]]
-    too_long = [not e and limit is not None and n > limit for e, n in zip(empty, lengths)]
+    too_long = too_long_prompts(lengths, empty, limit)
     keep = [i for i, (e, t) in enumerate(zip(empty, too_long)) if not (e or t)]
     info = RenderInfo(
         prompt_column=column,
@@ -298,3 +298,94 @@ class PromptCollator:
             if key not in self.TOKEN_KEYS:
                 batch[key] = [f[key] for f in features]
         return batch
+
+
+def too_long_prompts(lengths: Sequence[int], empty: Sequence[bool], limit: int | None) -> list[bool]:
+    """The prompt rule ``render_prompts`` drops by and the trainer refuses by: a non-empty prompt
+    of more than ``limit`` tokens (``max_length - response_length``) leaves no room for the
+    response. ``lengths``/``empty``: ``(N,)`` per prompt; ``limit`` None: no limit.
+
+    Example:
+        >>> too_long_prompts([3, 0, 9], [False, True, False], limit=5)
+        [False, False, True]
+    """
+    return [not e and limit is not None and n > limit for e, n in zip(empty, lengths)]
+
+
+def check_prompt_dataset(train_dataset, processing_class) -> None:
+    """Refuse what no PPO run can start from: no ``train_dataset``, one without an ``input_ids``
+    column or without rows, a ``processing_class`` without a pad token.
+
+    Raises:
+        ValueError: naming the argument, what it holds and how to fix it.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_prompt_dataset(Dataset.from_dict({"input_ids": [[1, 2]]}), SimpleNamespace(pad_token_id=0))
+        >>> try:
+        ...     check_prompt_dataset(Dataset.from_dict({"text": ["hi"]}), SimpleNamespace(pad_token_id=0))
+        ... except ValueError as err:
+        ...     print(str(err)[:59])
+        `train_dataset` has no `input_ids` column (columns: ['text'
+    """
+    if train_dataset is None:
+        raise ValueError("`train_dataset` is required: a dataset of tokenized prompts with an `input_ids` column.")
+    columns = getattr(train_dataset, "column_names", None)
+    if columns is None and len(train_dataset) > 0:
+        columns = list(train_dataset[0].keys())
+    if columns is not None and "input_ids" not in columns:
+        raise ValueError(
+            f"`train_dataset` has no `input_ids` column (columns: {list(columns)}). Tokenize the prompts first, "
+            "e.g. `trl_ppo_ext.data.render_prompts(dataset, tokenizer)` or "
+            "`dataset.map(lambda x: tokenizer(x['prompt']))`."
+        )
+    if len(train_dataset) == 0:
+        raise ValueError("`train_dataset` is empty; PPO needs at least one batch of prompts.")
+    if getattr(processing_class, "pad_token_id", None) is None:
+        raise ValueError(
+            f"`processing_class` ({type(processing_class).__name__}) has no pad token (pad_token=None). Set one "
+            "before building the trainer, e.g. `tokenizer.pad_token = tokenizer.eos_token` or "
+            "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (then resize the embeddings)."
+        )
+
+
+def check_prompt_lengths(dataset, name: str, max_positions: int | None, response_length: int) -> None:
+    """Every prompt of ``dataset`` non-empty and short enough to leave ``response_length`` of the
+    model's ``max_positions`` (None: no limit) to the response (:func:`too_long_prompts`). A
+    dataset without an ``input_ids`` column (a torch ``Dataset``) is checked batch by batch
+    during the rollout instead.
+
+    Raises:
+        ValueError: naming ``name``, how many prompts break the rule and how to filter them.
+
+    Example:
+        >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]})
+        >>> check_prompt_lengths(ds, "train_dataset", max_positions=8, response_length=5)  # 3 <= 8 - 5
+        >>> try:
+        ...     check_prompt_lengths(ds, "train_dataset", max_positions=8, response_length=6)
+        ... except ValueError as err:
+        ...     print(str(err)[:59])
+        `train_dataset` has 1 prompt(s) longer than 2 tokens: the m
+    """
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "input_ids" not in columns:
+        return
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    empty = [n == 0 for n in lengths]
+    if any(empty):
+        raise ValueError(
+            f"`{name}` holds {sum(empty)} empty prompt(s) (input_ids of length 0). Drop them first, e.g. "
+            "`dataset.filter(lambda x: len(x['input_ids']) > 0)` or `trl_ppo_ext.data.render_prompts`."
+        )
+    if max_positions is None:
+        return
+    limit = max_positions - response_length
+    too_long = sum(too_long_prompts(lengths, empty, limit))
+    if too_long:
+        raise ValueError(
+            f"`{name}` has {too_long} prompt(s) longer than {limit} tokens: the model has "
+            f"max_position_embeddings={max_positions} and response_length={response_length} leaves "
+            f"{limit} for the prompt (longest prompt: {max(lengths)}). Filter or truncate the prompts (e.g. "
+            "`trl_ppo_ext.data.render_prompts(..., response_length=..., max_length=...)` drops them), or lower "
+            "response_length."
+        )

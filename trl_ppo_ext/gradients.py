@@ -20,11 +20,12 @@ only when the factor is below 1: the same gradients, bit for bit, as torch's fun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["clip_coefficient", "clip_grad_norm_"]
+__all__ = ["clip_coefficient", "clip_grad_norm_", "clip_gradients", "scaler_found_inf", "skip_scaler_step"]
 
 # torch.nn.utils.clip_grads_with_norm_ divides by (norm + this), so a zero norm needs no guard
 _EPS = 1e-6
@@ -53,3 +54,80 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float | 
     if max_norm is not None and max_norm > 0 and bool(clip_coefficient(norm, max_norm) < 1.0):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def clip_gradients(accelerator, model: torch.nn.Module, max_grad_norm: float | None,
+                   deepspeed: bool = False) -> torch.Tensor:
+    """Clip the gradients of ``model``'s trainable parameters at ``max_grad_norm`` (when set)
+    and return their 2-norm before clipping, a 0-d float32 tensor.
+
+    On one device and under DDP: :func:`clip_grad_norm_` on the unscaled gradients (fp16: the
+    norm of the true gradient; a no-op otherwise). FSDP and XLA shard the gradients, so
+    accelerate's ``clip_grad_norm_`` takes their norm. Under DeepSpeed (``deepspeed``) the
+    engine clipped at the same norm inside ``backward`` (``distributed.configure_deepspeed``)
+    and reports the norm it saw (inf when it skipped; NaN here when it reports none).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> layer = torch.nn.Linear(2, 1, bias=False)
+        >>> layer.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> acc = SimpleNamespace(distributed_type="NO", unscale_gradients=lambda: None)
+        >>> norm = clip_gradients(acc, layer, max_grad_norm=1.0)  # 5 before, scaled to 1
+        >>> norm.item(), [round(g, 4) for g in layer.weight.grad[0].tolist()]
+        (5.0, [0.6, 0.8])
+    """
+    from accelerate.utils import DistributedType
+
+    if deepspeed:
+        norm = accelerator.clip_grad_norm_(None, max_grad_norm)
+        value = float("nan") if norm is None else float(norm)
+        return torch.tensor(value, dtype=torch.float32, device=accelerator.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.XLA):
+        norm = accelerator.clip_grad_norm_(params, max_grad_norm or math.inf)  # their own norms
+    else:
+        accelerator.unscale_gradients()  # fp16: the norm of the true gradient (a no-op otherwise)
+        norm = clip_grad_norm_(params, max_grad_norm)  # scales only when the norm is above it
+    return torch.as_tensor(norm).detach().float()
+
+
+def scaler_found_inf(scaler, optimizer) -> bool:
+    """Whether ``scaler.unscale_`` found an inf/NaN gradient of ``optimizer`` (accelerate's
+    wrapper or the torch optimizer inside it) since the last ``update()``: the record
+    ``GradScaler.step`` reads to decide to skip.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu", enabled=True)
+        >>> scaler_found_inf(scaler, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        False
+    """
+    while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
+        optimizer = optimizer.optimizer
+    state = scaler._per_optimizer_states.get(id(optimizer), {})
+    return any(bool(v.item()) for v in state.get("found_inf_per_device", {}).values())
+
+
+def skip_scaler_step(scaler, optimizer) -> None:
+    """fp16 loss scaling: close a skipped optimizer step as ``GradScaler.step`` + ``update``
+    would. No-op without an enabled ``scaler`` (bf16, fp32; DeepSpeed has its own).
+
+    :func:`clip_gradients` unscaled the step's gradients; until ``update()`` the scaler refuses
+    a second ``unscale_`` (the next step crashed) and its scale never shrank. An overflow
+    (inf/NaN gradient, recorded by the unscale) backs the scale off; a non-finite loss whose
+    gradients were finite backs it off too, as it is the same kind of event.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(1))
+        >>> optimizer, scaler = torch.optim.SGD([p], lr=0.1), torch.amp.GradScaler("cpu", init_scale=1024.0)
+        >>> scaler.scale(p.sum()).backward()
+        >>> scaler.unscale_(optimizer)  # finite gradients: a step skipped for a non-finite loss
+        >>> skip_scaler_step(scaler, optimizer)
+        >>> scaler.get_scale()  # backed off by the factor 0.5 all the same
+        512.0
+    """
+    if scaler is None or not scaler.is_enabled():
+        return
+    if scaler_found_inf(scaler, optimizer):
+        scaler.update()
+    else:
+        scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())

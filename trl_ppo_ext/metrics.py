@@ -21,12 +21,13 @@ Example (the per-reward columns of two rewards over three completions):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from . import functional as F
-from .rollout import Rollout, valid_token_ids
+from .rollout import Rollout, SampledBatch, valid_token_ids
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -198,3 +199,78 @@ def show_completions(df, report_to: Sequence[str] = ()) -> None:
 
         if wandb.run is not None:
             wandb.log({"completions": wandb.Table(dataframe=df)})
+
+
+def completions_table(batches: Iterable, sample: Callable[[dict], SampledBatch],
+                      score: Callable[[SampledBatch], torch.Tensor], tokenizer, logs, *,
+                      gather: Callable, gather_object: Callable = lambda xs: xs, first_only: bool = False):
+    """A ``pandas.DataFrame`` of completions: ``query``, ``model response``, ``score`` and every
+    ``log_extra`` column the reward functions reported (None where a row has no value).
+
+    Args:
+        batches: collated prompt batches (the eval dataloader); ``first_only``: stop after one.
+        sample: ``batch -> SampledBatch`` (the trainer samples near-greedily);
+            score: ``SampledBatch -> (B,)`` scores.
+        tokenizer: decodes the prompts (without special tokens) and the responses (with them).
+        logs: the ``RewardLogs`` the reward functions log into while scoring.
+        gather: accelerate's ``gather_for_metrics`` (``use_gather_object=True`` for lists), one
+            rule for every column: rows that accelerate repeated to even out the last batch are
+            dropped in each. gather_object: accelerate's, for the column names.
+
+    Example:
+        >>> from trl_ppo_ext.rewards.logs import RewardLogs
+        >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+        >>> tok = build_tiny_tokenizer()  # w0=6, w1=7, <eos>=3
+        >>> batch = SampledBatch(queries=torch.tensor([[6]]), query_mask=torch.tensor([[True]]),
+        ...                      responses=torch.tensor([[7, 3]]), response_mask=torch.tensor([[True, True]]),
+        ...                      has_stop=torch.tensor([True]))
+        >>> df = completions_table([{}], lambda b: batch, lambda s: torch.tensor([0.5]), tok, RewardLogs(),
+        ...                        gather=lambda xs, use_gather_object=False: xs)
+        >>> df.to_dict("records")
+        [{'query': 'w0', 'model response': 'w1 <eos>', 'score': 0.5}]
+    """
+    import pandas as pd
+
+    table = defaultdict(list)
+    for batch in batches:
+        rollout = sample(batch)
+        scores = score(rollout)
+        texts = tokenizer.batch_decode(valid_token_ids(rollout)[1])
+        queries = tokenizer.batch_decode(rollout.queries, skip_special_tokens=True)
+        start = len(table["query"])
+        table["query"].extend(gather(queries, use_gather_object=True))
+        table["model response"].extend(gather(texts, use_gather_object=True))
+        table["score"].extend(gather(scores).float().cpu().tolist())
+        # the batch's log_extra columns (reward_logs); None where a column has no value
+        extra = logs.take_columns(len(texts), reserved=("query", "model response", "score"))
+        for column in sorted(set(gather_object(sorted(extra)))):
+            table[column].extend([None] * (start - len(table[column])))
+            table[column].extend(gather(list(extra.get(column, [None] * len(texts))), use_gather_object=True))
+        if first_only:
+            break
+    rows = len(table["query"])
+    return pd.DataFrame({k: v + [None] * (rows - len(v)) for k, v in table.items()})
+
+
+def checked_eval_metrics(eval_metrics: dict | None, reward_names: Sequence[str] = ()) -> dict:
+    """The trainer's ``eval_metrics`` (name -> ``(prompts, completions) -> list[float]``) as a
+    new dict, each logged as ``eval/<name>`` beside the rewards' own ``eval/<reward name>``.
+
+    Raises:
+        TypeError: an entry is not callable, naming it. ValueError: a name is also a reward's.
+
+    Example:
+        >>> sorted(checked_eval_metrics({"length": lambda prompts, completions: [0.0]}, ["rm"]))
+        ['length']
+    """
+    metrics = dict(eval_metrics or {})
+    for name, fn in metrics.items():
+        if not callable(fn):
+            raise TypeError(f"eval_metrics[{name!r}] must be a callable (prompts, completions) -> list[float].")
+    clash = sorted(set(reward_names) & set(metrics))
+    if clash:
+        raise ValueError(
+            f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
+            "eval metric."
+        )
+    return metrics

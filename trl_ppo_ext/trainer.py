@@ -24,7 +24,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
@@ -32,11 +31,12 @@ import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object
+from accelerate.utils import GradientAccumulationPlugin, gather_object
+from peft import PeftModel
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import TrainerControl, TrainerState
@@ -46,19 +46,21 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 
 from . import critic_warmup
 from . import functional as F
-from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation, upstream_ppo_config
+from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation
 from .advantages import PPOTargets, compute_targets, target_settings
 from .batching import BatchPlan
-from .config import PPOConfig
-from .data import PromptCollator
+from .config import PPOConfig, as_ppo_config, mixed_precision
+from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths
 from .distributed import configure_deepspeed, prepare_frozen_model, process_state
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
-from .generation.mismatch import importance_sampling_weights
-from .gradients import clip_grad_norm_
+from .generation.mismatch import sampling_weights
+from .gradients import clip_gradients, skip_scaler_step
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
 from .metrics import (
+    checked_eval_metrics,
+    completions_table,
     evaluation_row,
     reward_statistics,
     sampling_metrics,
@@ -66,19 +68,24 @@ from .metrics import (
     update_metrics,
     user_metric_rows,
 )
+from .models import assembly
 from .models.offload import on_device
-from .models.policy_value import PolicyAndValue
 from .models.prepare import (
     disable_dropout,
     embedding_rows,
-    scalar_head_outputs,
     strip_fp32_output_wrapper,
     warn_low_precision_trainables,
 )
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel, with_process_reward_models
-from .rewards.scoring import build_rewards, evaluate_rewards_per_token, with_reward_tokenizers
+from .rewards.scoring import (
+    build_rewards,
+    check_reward_heads,
+    reward_function_kwargs,
+    rewards_per_token,
+    with_reward_tokenizers,
+)
 from .rewards.text import reward_model_texts, score_texts
 from .rollout import (
     Rollout,
@@ -103,7 +110,7 @@ from .run import checkpointing as ckpt
 from .run.checkpointing import CheckpointMixin, clean_temp_dirs
 from .run.guards import GuardDecision, GuardRails
 from .run.manifest import ManifestMixin
-from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted
+from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
 from .run.state import RunCounters
 from .sampler import EpochSeededSampler
 
@@ -117,33 +124,6 @@ class OnlineTrainerState(TrainerState):
     episode: int = 0
     stop_reason: str | None = None  # a guard's message when a guard halted the run
     halted_by: str | None = None  # the guard's name
-
-
-def _mixed_precision(args) -> str:
-    """The precision the config asks for, as transformers' Trainer reads it: ``fp16``/``bf16``
-    from the config, else the launcher's (``accelerate launch --mixed_precision``), else no."""
-    if getattr(args, "fp16", False):
-        return "fp16"
-    if getattr(args, "bf16", False):
-        return "bf16"
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-
-
-def _as_our_config(args) -> PPOConfig:
-    """Accept TRL's own PPOConfig too (where TRL has one): copy its values and add our fields' defaults."""
-    if isinstance(args, PPOConfig):
-        return args
-    upstream = upstream_ppo_config()
-    if upstream is None or not isinstance(args, upstream):
-        accepted = "trl_ppo_ext.PPOConfig" + ("" if upstream is None else " or TRL's PPOConfig")
-        raise TypeError(
-            f"`args` must be a {accepted}, got {type(args).__name__}. Build it with "
-            "`trl_ppo_ext.PPOConfig(output_dir=..., ...)` (it takes every TRL PPOConfig field)."
-        )
-    # Every init field TRL's config has, with its value, through our constructor (so our
-    # __post_init__ checks run and our own fields take their defaults).
-    ours = {f.name for f in fields(PPOConfig) if f.init}
-    return PPOConfig(**{f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in ours})
 
 
 class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
@@ -185,15 +165,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         reward_funcs=None,
         reward_processing_classes=None,
     ) -> None:
-        args = _as_our_config(args)
+        args = as_ppo_config(args)
         self.args = args
         self.processing_class = processing_class
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
-        self._check_inputs(model, ref_model, train_dataset, processing_class)
+        check_prompt_dataset(train_dataset, processing_class)
+        assembly.check_separate_reference(model, ref_model)
         # a token classifier (TRL's PRMTrainer) is a process reward: its step scores on the separators
         self.rewards, reward_processing_classes = with_process_reward_models(
             self.rewards, processing_class, reward_processing_classes, args.step_separator)
-        self._check_reward_heads(reward_model)
+        check_reward_heads(self.rewards, reward_model)
         # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
         self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
         # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
@@ -203,15 +184,21 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.train_dataset_len = len(train_dataset)
 
-        wrapper = self._build_policy_and_value(model, value_model, peft_config)
+        wrapper = assembly.build_policy_and_value(model, value_model, peft_config)
+        self.policy_model, self.value_model = wrapper.policy, value_model if value_model is not None else wrapper
+        self.is_peft_model = isinstance(wrapper.policy, PeftModel)
+        self.model_adapter_name, self.ref_adapter_name = args.model_adapter_name, args.ref_adapter_name
         self.stop_token_ids = self._resolve_generation(args, processing_class, wrapper.policy)
         self._apply_gradient_checkpointing(wrapper)
         warn_low_precision_trainables(wrapper)
-        self._check_prompt_lengths(train_dataset, "train_dataset", wrapper.config)
-        if eval_dataset is not None:
-            self._check_prompt_lengths(eval_dataset, "eval_dataset", wrapper.config)
+        max_positions = getattr(wrapper.config, "max_position_embeddings", None)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None:
+                check_prompt_lengths(dataset, name, max_positions, args.response_length)
+                if "input_ids" in (getattr(dataset, "column_names", None) or ()):  # the engine's context too
+                    check_engine_context(args, [len(ids) for ids in dataset["input_ids"]], name)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
-        self.ref_model = self._build_reference(model, ref_model)
+        self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
             entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
                             *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
@@ -268,18 +255,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             args.kl_coef, args.adaptive_kl, args.kl_target if args.adaptive_kl else None,
             args.kl_horizon if args.adaptive_kl else None,
         )
-        self.guards = GuardRails(args.guard_settings())
-        self.eval_metrics = dict(eval_metrics or {})
-        for name, fn in self.eval_metrics.items():
-            if not callable(fn):
-                raise TypeError(f"eval_metrics[{name!r}] must be a callable (prompts, completions) -> list[float].")
-        clash = sorted({r.name for r in self.rewards} & set(self.eval_metrics))
-        if clash:
-            raise ValueError(
-                f"eval_metrics and the rewards share the name(s) {clash}: both are logged as eval/<name>. Rename the "
-                "eval metric."
-            )
-        self.counters = RunCounters()
+        self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
+        self.guards = GuardRails(args.guard_settings(), self.counters)
+        self.eval_metrics = checked_eval_metrics(eval_metrics, [r.name for r in self.rewards])
         self._protected_checkpoints: set[str] = set()
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
         self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
@@ -291,72 +269,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._policy_version = 0
 
     # ------------------------------------------------------------------ set-up
-    def _check_inputs(self, model, ref_model, train_dataset, processing_class) -> None:
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required: a dataset of tokenized prompts with an `input_ids` column.")
-        columns = getattr(train_dataset, "column_names", None)
-        if columns is None and len(train_dataset) > 0:
-            columns = list(train_dataset[0].keys())
-        if columns is not None and "input_ids" not in columns:
-            raise ValueError(
-                f"`train_dataset` has no `input_ids` column (columns: {list(columns)}). Tokenize the prompts first, "
-                "e.g. `trl_ppo_ext.data.render_prompts(dataset, tokenizer)` or "
-                "`dataset.map(lambda x: tokenizer(x['prompt']))`."
-            )
-        if len(train_dataset) == 0:
-            raise ValueError("`train_dataset` is empty; PPO needs at least one batch of prompts.")
-        if getattr(processing_class, "pad_token_id", None) is None:
-            raise ValueError(
-                f"`processing_class` ({type(processing_class).__name__}) has no pad token (pad_token=None). Set one "
-                "before building the trainer, e.g. `tokenizer.pad_token = tokenizer.eos_token` or "
-                "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (then resize the embeddings)."
-            )
-        if ref_model is not None and ref_model is model:
-            raise ValueError(
-                "`model` and `ref_model` are the same object. Pass ref_model=None (a frozen copy is made, or the "
-                "disabled adapter is used with PEFT) or a separate copy."
-            )
-
-    def _check_reward_heads(self, reward_model) -> None:
-        """Every reward model (``reward_model`` or one in ``reward_funcs``) has one output."""
-        from_funcs = self.rewards[1:] if reward_model is not None else self.rewards
-        for reward in self.rewards:
-            outputs = scalar_head_outputs(reward.source) if reward.is_model else 1
-            if outputs != 1:
-                where = ("`reward_model`" if reward.source is reward_model
-                         else f"`reward_funcs[{from_funcs.index(reward)}]`")
-                raise ValueError(
-                    f"{where}'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. Load it "
-                    "with AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
-                )
-
-    def _check_prompt_lengths(self, dataset, name: str, model_config) -> None:
-        """Every prompt non-empty and short enough to leave ``response_length`` positions."""
-        columns = getattr(dataset, "column_names", None)
-        if columns is None or "input_ids" not in columns:
-            return  # a torch Dataset: checked batch by batch during the rollout instead
-        lengths = [len(ids) for ids in dataset["input_ids"]]
-        check_engine_context(self.args, lengths, name)  # vllm_max_model_length must hold prompt + response
-        empty = sum(n == 0 for n in lengths)
-        if empty:
-            raise ValueError(
-                f"`{name}` holds {empty} empty prompt(s) (input_ids of length 0). Drop them first, e.g. "
-                "`dataset.filter(lambda x: len(x['input_ids']) > 0)` or `trl_ppo_ext.data.render_prompts`."
-            )
-        max_positions = getattr(model_config, "max_position_embeddings", None)
-        if max_positions is None:
-            return
-        limit = max_positions - self.args.response_length
-        too_long = sum(n > limit for n in lengths)
-        if too_long:
-            raise ValueError(
-                f"`{name}` has {too_long} prompt(s) longer than {limit} tokens: the model has "
-                f"max_position_embeddings={max_positions} and response_length={self.args.response_length} leaves "
-                f"{limit} for the prompt (longest prompt: {max(lengths)}). Filter or truncate the prompts (e.g. "
-                "`trl_ppo_ext.data.render_prompts(..., response_length=..., max_length=...)` drops them), or lower "
-                "response_length."
-            )
-
     @staticmethod
     def _resolve_stop_token(args, processing_class) -> int | None:
         if args.stop_token == "eos":
@@ -382,49 +294,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         effective_temperature(args.temperature)  # a negative temperature fails here, before training
         return stop_token_ids(args.stop_token, args.stop_token_id, processing_class, checkpoint)
 
-    def _build_policy_and_value(self, model, value_model, peft_config) -> nn.Module:
-        """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
-        ``(logits, values)``: a ``SharedActorCritic`` or a ``PolicyAndValue`` pair."""
-        from peft import PeftModel, get_peft_model
-
-        if getattr(model, "is_actor_critic", False):
-            if value_model is not None:
-                raise ValueError(
-                    "`model` is a shared-backbone actor-critic, which has its own value head, and a separate "
-                    "`value_model` was passed too. Pass value_model=None, or pass a plain policy model."
-                )
-            if peft_config is not None:
-                raise ValueError(
-                    "`model` is a SharedActorCritic, which already carries its LoRA adapter, and `peft_config` was "
-                    "passed too. Pass peft_config=None (set LoRA options when building the actor-critic)."
-                )
-            wrapper = model
-        elif value_model is None:
-            from .models.actor_critic import SharedActorCritic
-
-            if peft_config is None and not isinstance(model, PeftModel):
-                raise ValueError(
-                    "value_model=None asks for a shared-backbone value head, which trains a LoRA adapter; pass "
-                    "`peft_config` (e.g. peft.LoraConfig(task_type='CAUSAL_LM')), or pass a `value_model`."
-                )
-            wrapper = SharedActorCritic(model, lora_config=peft_config)
-        else:
-            policy = model
-            if peft_config is not None:
-                if isinstance(model, PeftModel):
-                    raise ValueError(
-                        "`model` is already a PeftModel and `peft_config` was passed too. Merge and unload the "
-                        "existing adapter (model.merge_and_unload()) and pass the base model, or pass peft_config=None."
-                    )
-                policy = get_peft_model(model, peft_config)
-            wrapper = PolicyAndValue(policy, value_model)
-        self.policy_model = wrapper.policy
-        self.value_model = value_model if value_model is not None else wrapper
-        self.is_peft_model = isinstance(wrapper.policy, PeftModel)
-        self.model_adapter_name = self.args.model_adapter_name
-        self.ref_adapter_name = self.args.ref_adapter_name
-        return wrapper
-
     def _apply_gradient_checkpointing(self, wrapper: nn.Module) -> None:
         """``gradient_checkpointing=True`` (TRL's default) checkpoints the policy's and the value
         model's activations during the update (non-reentrant unless the kwargs say otherwise).
@@ -434,28 +303,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         the adapter it ran forward with; it refuses reentrant checkpointing, and the run then
         goes on without checkpointing, with a warning saying why.
         """
-        args = self.args
-        if not (getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing):
+        kwargs = assembly.checkpointing_kwargs(self.args)
+        if kwargs is None:
             return
-        kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
-                      or {})
-        kwargs.setdefault("use_reentrant", False)
         try:
             wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         except ValueError as err:
             logger.warning("gradient_checkpointing=True is not applied: %s", err)
-
-    def _build_reference(self, model, ref_model) -> nn.Module | None:
-        """``None`` means: the policy with its adapter disabled (see ``reference_context``)."""
-        if ref_model is not None:
-            ref = ref_model
-        elif self.is_peft_model:
-            return None
-        else:
-            ref = copy.deepcopy(self.policy_model)
-        ref.eval()
-        ref.requires_grad_(False)
-        return ref
 
     def _setup_batch_sizes(self, args) -> None:
         """The run's ``BatchPlan`` and the ``Accelerator`` that executes it; fills TRL's derived
@@ -466,7 +320,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         plan = BatchPlan.from_config(args, process_state().num_processes, self.train_dataset_len)
         self.accelerator = Accelerator(
             cpu=bool(getattr(args, "use_cpu", False)),
-            mixed_precision=_mixed_precision(args),
+            mixed_precision=mixed_precision(args),
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=plan.micro_batches_per_mini_batch, sync_with_dataloader=False, adjust_scheduler=False
             ),
@@ -586,29 +440,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """The policy/value module without DDP/DeepSpeed wrapping."""
         return self.accelerator.unwrap_model(self.model)
 
-    @contextmanager
     def null_ref_context(self):
-        """The policy as the reference: adapter disabled (or the named reference adapter).
-
-        Every ``requires_grad`` flag is restored on exit: peft's ``set_adapter`` (which
-        ``disable_adapter`` also calls on exit) freezes every adapter but the active one, which
-        silently froze a separate value adapter after the first reference pass.
-        """
-        policy = self.unwrapped.policy
-        flags = [(p, p.requires_grad) for p in self.unwrapped.parameters()]
-        try:
-            if self.ref_adapter_name:
-                policy.set_adapter(self.ref_adapter_name)
-                try:
-                    yield
-                finally:
-                    policy.set_adapter(self.model_adapter_name or "default")
-            else:
-                with policy.disable_adapter():
-                    yield
-        finally:
-            for param, flag in flags:
-                param.requires_grad_(flag)
+        """The policy as the reference: adapter disabled (or the named reference adapter), every
+        ``requires_grad`` flag restored on exit (``models.assembly.reference_adapter``)."""
+        return assembly.reference_adapter(self.unwrapped.policy, self.unwrapped.parameters(), self.ref_adapter_name,
+                                 self.model_adapter_name)
 
     # ------------------------------------------------------------------ phases
     def train(self, resume_from_checkpoint: str | bool | None = None):
@@ -648,7 +484,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         while self.state.global_step < self.state.max_steps:
             try:
                 decision = self.run_update(self.state.global_step + 1)
-            except UpdatePreempted:  # between two optimizer steps: the update's remainder is saved
+            except UpdatePreempted as stop:  # between two optimizer steps: the update's remainder is saved
+                self._inflight = stop.inflight
                 self._checkpoint_preempted(inflight=True)
                 return PREEMPTED, PREEMPTED
             if decision.halt:
@@ -755,7 +592,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 self.guards.fresh_rollout()
                 self.counters.rollout_age = age
                 return rollout
-            self.counters.stale_discarded += 1
             logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
                            "regenerating it with the current policy.", update, age, self.args.max_rollout_age)
             decision = self.guards.stale_rollout(update)
@@ -877,27 +713,22 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             functions (0 off ``response_mask``; zeros when none returned one), None in a run
             without reward functions.
         """
-        if chunks is None:
-            chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
-        # decoded once per batch, for the reward functions and any reward model read through text
-        function_kwargs = functools.cache(lambda: self.reward_function_kwargs(sample))
+        return rewards_per_token(self.rewards, functools.partial(self._model_reward_scores, sample, chunks),
+                                 lambda: self.reward_function_kwargs(sample), sample.response_mask,
+                                 self.state.global_step + 1)
 
-        def model_scores(reward) -> torch.Tensor:
-            with self._frozen_on_device(reward.source, self.args.offload_reward_model):
-                if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
-                    return self.reward_text_scores(reward, sample, function_kwargs())
-                # `reward_model` through the two-argument form, which subclasses may override as in TRL
-                extra = () if reward.source is self.reward_model else (reward.source,)
-                return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
-
-        scores, values, applies, token_rewards = evaluate_rewards_per_token(
-            self.rewards, model_scores, function_kwargs, sample.response_mask,
-            self.state.global_step + 1)
-        if token_rewards is None and any(not r.is_model for r in self.rewards):
-            # zeros (adding them changes no bit): every process logs the same metrics whichever
-            # of them got a token-level output in this batch
-            token_rewards = torch.zeros(sample.response_mask.shape, device=sample.response_mask.device)
-        return scores, values, applies, token_rewards
+    def _model_reward_scores(self, sample: SampledBatch, chunks: list | None, reward, function_kwargs) -> torch.Tensor:
+        """Raw scores ``(B,)`` of one reward model on ``sample``: at the last valid token chunk by
+        chunk through :meth:`reward_scores`, or through text (:meth:`reward_text_scores`) when its
+        vocabulary is not the policy's; an offloaded model is on the device for the block."""
+        with self._frozen_on_device(reward.source, self.args.offload_reward_model):
+            if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
+                return self.reward_text_scores(reward, sample, function_kwargs())
+            if chunks is None:
+                chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
+            # `reward_model` through the two-argument form, which subclasses may override as in TRL
+            extra = () if reward.source is self.reward_model else (reward.source,)
+            return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
 
     def reward_text_scores(self, reward, sample: SampledBatch, kwargs: dict | None = None) -> torch.Tensor:
         """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
@@ -914,18 +745,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def reward_function_kwargs(self, rollout: SampledBatch) -> dict:
         """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
         ``completions``, ``completion_ids``, ``trainer_state`` and every other dataset column."""
-        tok = self.processing_class
-        extras = rollout.extras
-        prompt_ids, completion_ids = valid_token_ids(rollout)
-        prompts = extras.get("prompt")
-        if prompts is None:
-            prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
-        texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        conversational = bool(prompts) and isinstance(prompts[0], list)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: v for k, v in extras.items() if k not in ("prompt", "completion", "completion_ids")}
-        return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                "trainer_state": self.state, **columns, **self.reward_logs.kwargs()}
+        return reward_function_kwargs(self.processing_class, *valid_token_ids(rollout), rollout.extras, self.state,
+                                      self.reward_logs.kwargs())
 
     def _frozen_on_device(self, model, offloaded: bool):
         """Bring an offloaded frozen model to the training device for one block."""
@@ -981,26 +802,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 decision = self._minibatch_step(tokens_only, adv, order[slices[index]], update, stats)
                 if decision.halt:
                     return _stack_stats(stats), decision
-                self._stop_if_preempted(rollout, adv, (epoch, index), order, stats)
+                stop_if_preempted(rollout, adv, (epoch, index), order, stats, num_ppo_epochs=self.plan.num_ppo_epochs,
+                                  num_mini_batches=self.plan.num_mini_batches, rollout_age=self.counters.rollout_age,
+                                  stop_agreed=lambda: self._sigterm.stop_agreed(self.accelerator))
         return _stack_stats(stats), decision
-
-    def _stop_if_preempted(self, rollout, adv, position: tuple[int, int], order, stats) -> None:
-        """After an optimizer step that is not the update's last: raise ``UpdatePreempted`` once
-        every process agrees a SIGTERM came, keeping where the update stopped in ``_inflight``."""
-        epoch, index = position
-        per_epoch = self.plan.num_mini_batches
-        if (epoch, index) == (self.plan.num_ppo_epochs - 1, per_epoch - 1):
-            return  # the update's steps are done: it finishes, and the loop checks at its end
-        if not self._sigterm.stop_agreed(self.accelerator):
-            return
-        next_epoch, next_index = (epoch, index + 1) if index + 1 < per_epoch else (epoch + 1, 0)
-        self._inflight = InflightUpdate(
-            rollout={f.name: getattr(rollout, f.name) for f in fields(rollout)},
-            advantages={f.name: getattr(adv, f.name) for f in fields(adv)},
-            epoch=next_epoch, mini_batch=next_index, order=order if next_epoch == epoch else None,
-            stats={k: list(v) for k, v in stats.items()}, rollout_age=self.counters.rollout_age,
-        )
-        raise UpdatePreempted(f"SIGTERM after PPO epoch {epoch}, mini-batch {index}")
 
     def _resumed_rollout(self) -> tuple[Rollout, PPOTargets]:
         """The rollout and advantages of the update a preempted checkpoint stopped in."""
@@ -1044,7 +849,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 if accelerator.sync_gradients:
                     if self._critic_warming:
                         critic_warmup.drop_policy_gradients(self.unwrapped)
-                    grad_norm = self._clip_gradients()
+                    grad_norm = clip_gradients(accelerator, self.model, self.args.max_grad_norm,
+                                               self.is_deepspeed_enabled)
                     micro_stats["grad_norm"] = grad_norm
                     decision = self._step_if_finite(grad_norm, nonfinite_loss, update)
             for k, v in micro_stats.items():
@@ -1064,9 +870,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             if self.is_deepspeed_enabled and not self.optimizer.step_was_skipped:
                 logger.warning("Update %d: DeepSpeed applied a step whose loss was not finite (its gradients "
                                "were finite); it is counted as skipped.", update)
-            self._skip_scaler_step()
+            if not self.is_deepspeed_enabled:  # the engine keeps its own loss scale
+                skip_scaler_step(getattr(self.accelerator, "scaler", None), self.optimizer)
             self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
-            self.counters.nonfinite_steps += 1
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
             return self.guards.nonfinite_step(update)
         self.optimizer.step()
@@ -1076,40 +882,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self._policy_version = self.state.global_step + 1
         self.guards.finite_step()
         return GuardDecision.keep_going({})
-
-    def _skip_scaler_step(self) -> None:
-        """fp16 loss scaling: close the skipped step as ``GradScaler.step`` + ``update`` would.
-
-        ``_clip_gradients`` unscaled this step's gradients; until ``update()`` the scaler
-        refuses a second ``unscale_`` (the next step crashed) and its scale never shrank. An
-        overflow (inf/NaN gradient, recorded by the unscale) backs the scale off; a non-finite
-        loss whose gradients were finite backs it off too, as it is the same kind of event.
-        """
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is None or self.is_deepspeed_enabled or not scaler.is_enabled():
-            return
-        if _scaler_found_inf(scaler, self.optimizer):
-            scaler.update()
-        else:
-            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
-
-    def _clip_gradients(self) -> torch.Tensor:
-        """Clip at ``max_grad_norm`` (when set) and return the gradient norm before clipping.
-
-        Under DeepSpeed the engine clipped at the same norm inside ``backward`` (see
-        ``distributed.configure_deepspeed``) and reports the norm it saw (inf when it skipped).
-        """
-        if self.is_deepspeed_enabled:
-            norm = self.accelerator.clip_grad_norm_(None, self.args.max_grad_norm)
-            value = float("nan") if norm is None else float(norm)
-            return torch.tensor(value, dtype=torch.float32, device=self.accelerator.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.XLA):
-            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm or math.inf)  # their own norms
-        else:
-            self.accelerator.unscale_gradients()  # fp16: the norm of the true gradient (a no-op otherwise)
-            norm = clip_grad_norm_(params, self.args.max_grad_norm)  # scales only when the norm is above it
-        return torch.as_tensor(norm).detach().float()
 
     def compute_loss_terms(
         self, mb: Rollout, adv: PPOTargets, num_tokens: torch.Tensor | None = None,
@@ -1141,13 +913,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         (``vllm_importance_sampling_correction``; ``(b, T)`` token modes, ``(b, 1)`` sequence
         modes), or None. Each row's weight depends on that row alone, so cutting the rollout
         into micro-batches gives the weights of the whole rollout."""
-        args = self.args
-        if mb.engine_logprobs is None or not args.vllm_importance_sampling_correction:
-            return None
-        return importance_sampling_weights(
-            mb.logprobs, mb.engine_logprobs, mb.response_mask, args.vllm_importance_sampling_mode,
-            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
-        )
+        return sampling_weights(mb.logprobs, mb.engine_logprobs, mb.response_mask, self.args)
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -1271,51 +1037,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """
         if self.eval_dataloader is None:
             return None
-        with ckpt.isolated_rng(seed=self.local_seed + self.state.global_step):
-            df = self._completions_table(sampling)
+        with ckpt.isolated_rng(seed=self.local_seed + self.state.global_step), self._own_reward_logs() as logs:
+            df = completions_table(  # near-greedy, as TRL
+                self.eval_dataloader, lambda batch: self.generate_rollout(batch, temperature=0.01),
+                lambda rollout: self.score_rewards(rollout)[0], self.processing_class, logs,
+                gather=self.accelerator.gather_for_metrics, gather_object=gather_object, first_only=sampling)
         if self.accelerator.is_main_process:
-            self._show_completions(df)
+            show_completions(df, self.args.report_to)
         return df
-
-    def _completions_table(self, sampling: bool):
-        import pandas as pd
-
-        tok = self.processing_class
-        table = defaultdict(list)
-        with self._own_reward_logs() as logs:
-            for batch in self.eval_dataloader:
-                rollout = self.generate_rollout(batch, temperature=0.01)  # near-greedy, as TRL
-                scores = self.score_rewards(rollout)[0]
-                texts = tok.batch_decode(valid_token_ids(rollout)[1])
-                # One gather rule for every column (gather_object alone kept accelerate's
-                # padding duplicates that gather_for_metrics drops: columns of unequal length).
-                gather = self.accelerator.gather_for_metrics
-                queries = tok.batch_decode(rollout.queries, skip_special_tokens=True)
-                start = len(table["query"])
-                table["query"].extend(gather(queries, use_gather_object=True))
-                table["model response"].extend(gather(texts, use_gather_object=True))
-                table["score"].extend(gather(scores).float().cpu().tolist())
-                # the batch's log_extra columns (reward_logs); None where a column has no value
-                extra = logs.take_columns(len(texts), reserved=("query", "model response", "score"))
-                for column in sorted(set(gather_object(sorted(extra)))):
-                    table[column].extend([None] * (start - len(table[column])))
-                    table[column].extend(gather(list(extra.get(column, [None] * len(texts))), use_gather_object=True))
-                if sampling:
-                    break
-        rows = len(table["query"])
-        return pd.DataFrame({k: v + [None] * (rows - len(v)) for k, v in table.items()})
-
-    def _show_completions(self, df) -> None:
-        show_completions(df, self.args.report_to)
-
-
-def _scaler_found_inf(scaler, optimizer) -> bool:
-    """Whether ``scaler.unscale_`` found an inf/NaN gradient of ``optimizer`` since the last
-    ``update()`` (the record ``GradScaler.step`` reads to decide to skip)."""
-    while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
-        optimizer = optimizer.optimizer
-    state = scaler._per_optimizer_states.get(id(optimizer), {})
-    return any(bool(v.item()) for v in state.get("found_inf_per_device", {}).values())
 
 
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -21,6 +21,8 @@ import importlib.util
 import warnings
 from dataclasses import dataclass, field
 
+from .._utils import help_metadata as _help
+
 VLLM_MODES = ("colocate", "server")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 VLLM_EXTRA_HINT = (
@@ -38,10 +40,6 @@ def require_vllm(field_name: str = "use_vllm") -> None:
     """Raise ``ImportError`` naming the ``[vllm]`` extra when vLLM is not installed."""
     if not vllm_installed():
         raise ImportError(f"{field_name}=True needs vLLM, which is not installed. {VLLM_EXTRA_HINT}")
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass

@@ -135,3 +135,31 @@ def sampling_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tenso
         return None, stats
     weights = importance_sampling_weights(old_logprobs, engine_logprobs, response_mask, mode, clip_min, clip_max)
     return weights, {**stats, **importance_sampling_stats(weights, response_mask, mode)}
+
+
+def sampling_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor | None, response_mask: torch.Tensor,
+                     args) -> torch.Tensor | None:
+    """The truncated importance weights ``pi_old / pi_engine`` a micro-batch's policy loss is
+    multiplied by, as ``args`` (``VLLMArguments``' ``vllm_importance_sampling_*`` fields) ask:
+    ``(b, T)`` in the token modes, ``(b, 1)`` in the sequence modes; None when the batch was not
+    sampled by an engine (``engine_logprobs`` None) or the correction is off. Each row's weight
+    depends on that row alone, so cutting a rollout into micro-batches gives the weights of the
+    whole rollout.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(vllm_importance_sampling_correction=True,
+        ...                        vllm_importance_sampling_mode="token_truncate",
+        ...                        vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0)
+        >>> old, engine = torch.tensor([[0.0, -1.0]]), torch.tensor([[-math.log(2.0), -1.0]])
+        >>> sampling_weights(old, engine, torch.tensor([[True, True]]), args)  # exp(0 + log 2) = 2, exp(0) = 1
+        tensor([[2., 1.]])
+        >>> sampling_weights(old, None, torch.tensor([[True, True]]), args) is None
+        True
+    """
+    if engine_logprobs is None or not args.vllm_importance_sampling_correction:
+        return None
+    return importance_sampling_weights(
+        old_logprobs, engine_logprobs, response_mask, args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+    )

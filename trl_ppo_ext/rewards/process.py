@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .scoring import processing_class_entries, separator_ends
+from .scoring import process_rewards, processing_class_entries, separator_ends
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,9 @@ class ProcessRewardModel:
                     f"ProcessRewardModel {self.__name__!r}: `model` returned logits of shape {tuple(logits.shape)} "
                     f"for input ids {tuple(ids.shape)}; a process reward model is a token classifier (B, L, labels)."
                 )
-            probs = logits.float().softmax(-1)[..., self.positive_label].cpu()  # (b, L)
+            # (b, L): P(positive_label) where a separator ends (every read is one), read as the tensor function does
+            probs = process_rewards(logits, ids.to(logits.device), mask.bool().to(logits.device), self.separator_ids,
+                                    self.positive_label).cpu()
             out += [[float(probs[b, t]) for t in places] for b, places in enumerate(at)]
         return out
 

@@ -44,10 +44,10 @@ from torch import nn
 from .remote import RemoteReward, RemoteRewardError, remote_reward
 
 __all__ = [
-    "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs", "combine_scores",
-    "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level", "process_rewards",
-    "processing_class_entries", "remote_reward",
-    "reward_name", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
+    "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs",
+    "check_reward_heads", "combine_scores", "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level",
+    "process_rewards", "processing_class_entries", "remote_reward", "reward_function_kwargs", "reward_name",
+    "rewards_per_token", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -520,3 +520,92 @@ def process_rewards(logits: torch.Tensor, ids: torch.Tensor, response_mask: torc
     scores = logits.float().softmax(-1)[..., positive_label]
     at_step = separator_ends(ids, response_mask, separator_ids)
     return torch.where(at_step, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
+# ---------------------------------------------------------------- what the trainer hands over
+def reward_function_kwargs(tokenizer, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                           extras: dict, trainer_state=None, logged: dict | None = None) -> dict:
+    """The keyword arguments of a reward function (TRL GRPO's convention) for ``B`` completions.
+
+    Args:
+        tokenizer: the policy's; decodes what the dataset does not give as text.
+        prompt_ids, completion_ids: ``B`` lists of each row's real prompt ids and valid response
+            ids (``rollout.valid_token_ids``).
+        extras: the batch's other dataset columns, ``B`` values each; a ``prompt`` column is
+            taken as the prompts (text or conversations), else the prompt ids are decoded.
+        trainer_state: passed on as ``trainer_state``. logged: ``RewardLogs.kwargs()`` (GRPO's
+            ``log_metric`` / ``log_extra``), merged last.
+    Returns:
+        ``{"prompts", "completions", "completion_ids", "trainer_state", <column>..., <logged>...}``;
+        completions are decoded without special tokens, as assistant messages when the prompts
+        are conversations.
+
+    Example:
+        >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+        >>> tok = build_tiny_tokenizer()  # w0=6, w1=7, <eos>=3
+        >>> kwargs = reward_function_kwargs(tok, [[6]], [[7, 3]], {"answer": ["w1"]})
+        >>> kwargs["prompts"], kwargs["completions"], kwargs["answer"]
+        (['w0'], ['w1'], ['w1'])
+    """
+    prompts = extras.get("prompt")
+    if prompts is None:
+        prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    conversational = bool(prompts) and isinstance(prompts[0], list)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    columns = {k: v for k, v in extras.items() if k not in ("prompt", "completion", "completion_ids")}
+    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+            "trainer_state": trainer_state, **columns, **(logged or {})}
+
+
+def check_reward_heads(rewards: Sequence[Reward], reward_model=None) -> None:
+    """Every reward model of ``rewards`` (``reward_model``, first when given, or one in
+    ``reward_funcs``) has a score head of one output.
+
+    Raises:
+        ValueError: naming the argument (``reward_model`` or ``reward_funcs[i]``), the head's
+            width and how to load the model with one label.
+
+    Example:
+        >>> check_reward_heads(build_rewards(None, [lambda completions, **kw: [0.0] * len(completions)], None))
+    """
+    from ..models.prepare import scalar_head_outputs
+
+    from_funcs = list(rewards[1:]) if reward_model is not None else list(rewards)
+    for reward in rewards:
+        outputs = scalar_head_outputs(reward.source) if reward.is_model else 1
+        if outputs != 1:
+            where = ("`reward_model`" if reward.source is reward_model
+                     else f"`reward_funcs[{from_funcs.index(reward)}]`")
+            raise ValueError(
+                f"{where}'s score head has {outputs} outputs ({reward.name}); PPO needs a scalar score. Load it "
+                "with AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)."
+            )
+
+
+def rewards_per_token(
+    rewards: Sequence[Reward], model_scores: Callable[[Reward, Callable[[], dict]], torch.Tensor],
+    function_kwargs: Callable[[], dict], response_mask: torch.Tensor, update: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A sampled batch's rewards as the trainer scores them: :func:`evaluate_rewards_per_token`
+    with the reward functions' keyword arguments built once (``function_kwargs`` is called at
+    most once, also when a model reads them through text: ``model_scores(reward, kwargs)``).
+
+    Returns:
+        ``(scores (B,), values (B, F), applies (B, F), token_rewards (B, T) float32 or None)``
+        as :func:`evaluate_rewards_per_token`, except that a run with a reward function gets
+        zeros where no function returned a token-level output (adding them changes no bit),
+        so every process logs the same metrics whichever of them got one; None without any.
+
+    Example:
+        >>> rewards = build_rewards(None, [lambda completions, **kw: [[(0, 1.0)] for _ in completions]], None)
+        >>> mask = torch.tensor([[True, True]])
+        >>> rewards_per_token(rewards, None, lambda: {"completions": ["a"]}, mask, update=1)[3]
+        tensor([[1., 0.]])
+    """
+    kwargs = functools.cache(function_kwargs)  # decoded once per batch, for the functions and any text RM
+    scores, values, applies, token = evaluate_rewards_per_token(
+        rewards, lambda reward: model_scores(reward, kwargs), kwargs, response_mask, update)
+    if token is None and any(not r.is_model for r in rewards):
+        token = torch.zeros(response_mask.shape, device=response_mask.device)
+    return scores, values, applies, token

@@ -45,7 +45,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from .._utils import help_metadata as _help
 from .._utils import optional_number_from_text
+from .state import RunCounters
 
 # The trainer's log keys (``PPOTrainer.log_update``) that the guards read.
 KEY_VALUE_LOSS = "loss/value_avg"
@@ -72,10 +74,6 @@ GUARD_NAMES = (
 HEURISTIC_GUARDS = frozenset(
     {"value_divergence", "kl_range", "entropy_range", "length_range", "clip_fraction", "reward_hacking"}
 )
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass
@@ -261,16 +259,21 @@ class GuardRails:
 
     Args:
         settings: thresholds; default ``GuardSettings()``.
+        counters: the run's :class:`~trl_ppo_ext.run.state.RunCounters`, which keep the totals
+            of skipped steps and discarded rollouts (``nonfinite_steps``, ``stale_discarded``):
+            the guards count them there and read them for their figures and messages. The
+            trainer passes its own, which its checkpoints save; without one the guards keep
+            their own, saved in :meth:`state_dict`.
     """
 
-    def __init__(self, settings: GuardSettings | None = None) -> None:
+    def __init__(self, settings: GuardSettings | None = None, counters: RunCounters | None = None) -> None:
         self.settings = settings if settings is not None else GuardSettings()
+        self._owns_counters = counters is None
+        self.counters = RunCounters() if counters is None else counters  # the totals live here, once
         self._streaks = {name: 0 for name in GUARD_NAMES}  # consecutive updates in violation
         self._nonfinite_run = 0  # consecutive skipped optimizer steps, now
         self._nonfinite_peak = 0  # longest such run since the last check()
-        self._nonfinite_total = 0
         self._stale_run = 0  # consecutive discarded rollouts, now
-        self._stale_total = 0
         # (update, RM score, held-out value or None) of the last reward_hacking_window updates.
         self._history: deque = deque(maxlen=self.settings.reward_hacking_window)
         self._value_losses: deque = deque(maxlen=self.settings.value_patience)  # during the value streak
@@ -280,7 +283,7 @@ class GuardRails:
     def nonfinite_step(self, update: int) -> GuardDecision:
         """Record an optimizer step skipped for a NaN/inf loss or gradient norm during ``update``."""
         self._nonfinite_run += 1
-        self._nonfinite_total += 1
+        self.counters.nonfinite_steps += 1
         self._nonfinite_peak = max(self._nonfinite_peak, self._nonfinite_run)
         message = _halt_message("nonfinite", update, self._nonfinite_message(self._nonfinite_run, update))
         figures = self._event_figures()
@@ -293,7 +296,7 @@ class GuardRails:
     def stale_rollout(self, update: int) -> GuardDecision:
         """Record a rollout discarded during ``update`` for being older than ``max_rollout_age``."""
         self._stale_run += 1
-        self._stale_total += 1
+        self.counters.stale_discarded += 1
         message = _halt_message("stale_rollouts", update, self._stale_message(update))
         figures = self._event_figures()
         return GuardDecision(True, "stale_rollouts", message, figures) if message else GuardDecision.keep_going(figures)
@@ -375,7 +378,7 @@ class GuardRails:
         if self.settings.nonfinite_halt_after is None:
             return ""
         figures["guard/nonfinite"] = float(self._nonfinite_run)
-        figures["guard/nonfinite_total"] = float(self._nonfinite_total)
+        figures["guard/nonfinite_total"] = float(self.counters.nonfinite_steps)
         peak, self._nonfinite_peak = self._nonfinite_peak, self._nonfinite_run
         return self._nonfinite_message(peak, update)
 
@@ -386,7 +389,7 @@ class GuardRails:
         return (
             f"{run} consecutive optimizer steps were skipped "
             f"because the loss or gradient norm was NaN/inf (threshold nonfinite_halt_after={limit}; "
-            f"{self._nonfinite_total} skipped in total). Lower the learning rate, check the reward scale, or "
+            f"{self.counters.nonfinite_steps} skipped in total). Lower the learning rate, check the reward scale, or "
             "train in bf16/fp32 instead of fp16."
         )
 
@@ -463,7 +466,7 @@ class GuardRails:
         if self.settings.stale_halt_after is None:
             return ""
         figures["guard/stale_rollouts"] = float(self._stale_run)
-        figures["guard/stale_rollouts_total"] = float(self._stale_total)
+        figures["guard/stale_rollouts_total"] = float(self.counters.stale_discarded)
         return self._stale_message(update)
 
     def _stale_message(self, update: int) -> str:
@@ -473,7 +476,7 @@ class GuardRails:
         return (
             f"{self._stale_run} consecutive rollouts "
             f"were discarded as older than max_rollout_age (threshold stale_halt_after={limit}; "
-            f"{self._stale_total} discarded in total). Raise max_rollout_age or lower num_ppo_epochs * "
+            f"{self.counters.stale_discarded} discarded in total). Raise max_rollout_age or lower num_ppo_epochs * "
             "num_mini_batches so rollouts are consumed in time."
         )
 
@@ -512,28 +515,35 @@ class GuardRails:
         return self._streaks[name]
 
     def _event_figures(self) -> dict[str, float]:
+        totals = self.counters
         return {
-            "guard/nonfinite": float(self._nonfinite_run), "guard/nonfinite_total": float(self._nonfinite_total),
-            "guard/stale_rollouts": float(self._stale_run), "guard/stale_rollouts_total": float(self._stale_total),
+            "guard/nonfinite": float(self._nonfinite_run), "guard/nonfinite_total": float(totals.nonfinite_steps),
+            "guard/stale_rollouts": float(self._stale_run), "guard/stale_rollouts_total": float(totals.stale_discarded),
         }
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
-        """Every counter and the reward-hacking window; JSON-serialisable (NaN allowed)."""
+        """Every counter and the reward-hacking window; JSON-serialisable (NaN allowed). The
+        totals (``nonfinite_total``, ``stale_total``) only when the guards keep their own
+        counters: the run's are saved by their owner (``ppo_state.json``'s ``counters``)."""
+        totals = {"nonfinite_total": self.counters.nonfinite_steps,
+                  "stale_total": self.counters.stale_discarded} if self._owns_counters else {}
         return {
             "streaks": dict(self._streaks),
             "nonfinite_run": self._nonfinite_run, "nonfinite_peak": self._nonfinite_peak,
-            "nonfinite_total": self._nonfinite_total,
-            "stale_run": self._stale_run, "stale_total": self._stale_total,
+            "stale_run": self._stale_run, **totals,
             "history": [list(item) for item in self._history],
             "value_losses": list(self._value_losses), "warning": sorted(self._warning),
             "settings": asdict(self.settings),  # informational: the thresholds in force when saved
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore counters saved by :meth:`state_dict`. Thresholds stay those of ``self.settings``."""
-        missing = {"streaks", "nonfinite_run", "nonfinite_peak", "nonfinite_total", "stale_run", "stale_total",
-                   "history"} - set(state)
+        """Restore counters saved by :meth:`state_dict`. Thresholds stay those of ``self.settings``.
+
+        The totals are read into the guards' own counters only: a state saved before the totals
+        had one home carries them here too, and a trainer restores the same values from its
+        ``RunCounters`` (``ppo_state.json`` has always held both)."""
+        missing = {"streaks", "nonfinite_run", "nonfinite_peak", "stale_run", "history"} - set(state)
         if missing:
             raise ValueError(
                 f"Guard state is missing {sorted(missing)}; it was not written by GuardRails.state_dict(). "
@@ -541,8 +551,10 @@ class GuardRails:
             )
         self._streaks = {name: int(state["streaks"].get(name, 0)) for name in GUARD_NAMES}
         self._nonfinite_run, self._nonfinite_peak = int(state["nonfinite_run"]), int(state["nonfinite_peak"])
-        self._nonfinite_total = int(state["nonfinite_total"])
-        self._stale_run, self._stale_total = int(state["stale_run"]), int(state["stale_total"])
+        self._stale_run = int(state["stale_run"])
+        if self._owns_counters:
+            self.counters.nonfinite_steps = int(state.get("nonfinite_total", 0))
+            self.counters.stale_discarded = int(state.get("stale_total", 0))
         self._history = deque(
             ((int(u), float(s), None if h is None else float(h)) for u, s, h in state["history"]),
             maxlen=self.settings.reward_hacking_window,

@@ -25,7 +25,8 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -82,7 +83,12 @@ class SigtermWatcher:
 
 
 class UpdatePreempted(Exception):
-    """Raised between two optimizer steps of an update once every process agreed to stop."""
+    """Raised between two optimizer steps of an update once every process agreed to stop;
+    ``inflight``: where the update stopped (:func:`stop_if_preempted`), for the checkpoint."""
+
+    def __init__(self, message: str = "", inflight: InflightUpdate | None = None):
+        super().__init__(message)
+        self.inflight = inflight
 
 
 @dataclass
@@ -130,3 +136,43 @@ class InflightUpdate:
 def inflight_filename(process_index: int) -> str:
     """``inflight_update_<process>.pt``: one file per process in a preempted checkpoint."""
     return f"inflight_update_{process_index}.pt"
+
+
+def stop_if_preempted(rollout, advantages, position: tuple[int, int], order: torch.Tensor, stats: dict,
+                      *, num_ppo_epochs: int, num_mini_batches: int, stop_agreed: Callable[[], bool],
+                      rollout_age: int = 0) -> None:
+    """After the optimizer step of PPO epoch ``position[0]``, mini-batch ``position[1]``: raise
+    :class:`UpdatePreempted` carrying the :class:`InflightUpdate` that resumes the update at its
+    next mini-batch, once ``stop_agreed()`` says every process received SIGTERM.
+
+    ``stop_agreed`` is not called after the update's last step (the update finishes and the
+    loop checks at its end), so every process calls it at the same steps. ``rollout`` and
+    ``advantages`` are dataclasses (the trainer's ``Rollout`` and ``PPOTargets``), saved field by
+    field; ``order`` ``(B,)`` is the epoch's row order, kept when the next mini-batch is of the
+    same epoch; ``stats`` the per-micro-batch statistics so far.
+
+    Example:
+        >>> from dataclasses import make_dataclass
+        >>> part = make_dataclass("Part", ["x"])(x=torch.zeros(2))
+        >>> stop_if_preempted(part, part, (1, 1), torch.arange(2), {}, num_ppo_epochs=2, num_mini_batches=2,
+        ...                   stop_agreed=lambda: True)  # the update's last step: it finishes
+        >>> try:
+        ...     stop_if_preempted(part, part, (0, 1), torch.arange(2), {}, num_ppo_epochs=2, num_mini_batches=2,
+        ...                       stop_agreed=lambda: True)
+        ... except UpdatePreempted as stop:
+        ...     print(stop, (stop.inflight.epoch, stop.inflight.mini_batch), stop.inflight.order)
+        SIGTERM after PPO epoch 0, mini-batch 1 (1, 0) None
+    """
+    epoch, index = position
+    if (epoch, index) == (num_ppo_epochs - 1, num_mini_batches - 1):
+        return
+    if not stop_agreed():
+        return
+    next_epoch, next_index = (epoch, index + 1) if index + 1 < num_mini_batches else (epoch + 1, 0)
+    inflight = InflightUpdate(
+        rollout={f.name: getattr(rollout, f.name) for f in fields(rollout)},
+        advantages={f.name: getattr(advantages, f.name) for f in fields(advantages)},
+        epoch=next_epoch, mini_batch=next_index, order=order if next_epoch == epoch else None,
+        stats={k: list(v) for k, v in stats.items()}, rollout_age=rollout_age,
+    )
+    raise UpdatePreempted(f"SIGTERM after PPO epoch {epoch}, mini-batch {index}", inflight)

@@ -1,0 +1,163 @@
+"""The trainer's models from what its constructor is given: one module whose forward gives
+``(logits, values)``, the reference model (or none: the policy with its adapter off), and the
+context in which the policy acts as that reference.
+
+TRL's ``PPOTrainer`` takes ``model``, ``ref_model``, ``value_model`` and ``peft_config``; which
+combinations make sense, and what each becomes:
+
+=====================  ==================  ===============  ======================================
+``model``              ``value_model``     ``peft_config``  assembled as
+=====================  ==================  ===============  ======================================
+``SharedActorCritic``  None                None             itself
+causal LM / PeftModel  None                given / None     ``SharedActorCritic`` (shared backbone)
+causal LM              a scorer            given / None     ``PolicyAndValue`` (LoRA'd when given)
+=====================  ==================  ===============  ======================================
+
+Example:
+
+>>> from trl_ppo_ext.models.assembly import build_policy_and_value
+>>> from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
+>>> tok = build_tiny_tokenizer()
+>>> type(build_policy_and_value(build_tiny_causal_lm(tok), build_tiny_scorer(tok), None)).__name__
+'PolicyAndValue'
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from .policy_value import PolicyAndValue
+
+__all__ = [
+    "build_policy_and_value", "build_reference", "check_separate_reference", "checkpointing_kwargs",
+    "reference_adapter",
+]
+
+
+def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft_config=None) -> nn.Module:
+    """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
+    ``(logits (B, L, V), values (B, L))``: a ``SharedActorCritic`` or a ``PolicyAndValue`` pair
+    (see the module's table). ``get_peft_model`` wraps ``model`` in place when ``peft_config``
+    is given with a separate ``value_model``.
+
+    Raises:
+        ValueError: a combination of the table's columns that is not in it, naming the
+            arguments and which to drop.
+    """
+    from peft import PeftModel, get_peft_model
+
+    if getattr(model, "is_actor_critic", False):
+        if value_model is not None:
+            raise ValueError(
+                "`model` is a shared-backbone actor-critic, which has its own value head, and a separate "
+                "`value_model` was passed too. Pass value_model=None, or pass a plain policy model."
+            )
+        if peft_config is not None:
+            raise ValueError(
+                "`model` is a SharedActorCritic, which already carries its LoRA adapter, and `peft_config` was "
+                "passed too. Pass peft_config=None (set LoRA options when building the actor-critic)."
+            )
+        return model
+    if value_model is None:
+        from .actor_critic import SharedActorCritic
+
+        if peft_config is None and not isinstance(model, PeftModel):
+            raise ValueError(
+                "value_model=None asks for a shared-backbone value head, which trains a LoRA adapter; pass "
+                "`peft_config` (e.g. peft.LoraConfig(task_type='CAUSAL_LM')), or pass a `value_model`."
+            )
+        return SharedActorCritic(model, lora_config=peft_config)
+    policy = model
+    if peft_config is not None:
+        if isinstance(model, PeftModel):
+            raise ValueError(
+                "`model` is already a PeftModel and `peft_config` was passed too. Merge and unload the "
+                "existing adapter (model.merge_and_unload()) and pass the base model, or pass peft_config=None."
+            )
+        policy = get_peft_model(model, peft_config)
+    return PolicyAndValue(policy, value_model)
+
+
+def check_separate_reference(model: nn.Module, ref_model: nn.Module | None) -> None:
+    """Refuse ``ref_model`` when it is ``model`` itself (training it would move the reference).
+
+    Example:
+        >>> layer = nn.Linear(1, 1)
+        >>> check_separate_reference(layer, None)
+        >>> try:
+        ...     check_separate_reference(layer, layer)
+        ... except ValueError as err:
+        ...     print(str(err)[:50])
+        `model` and `ref_model` are the same object. Pass
+    """
+    if ref_model is not None and ref_model is model:
+        raise ValueError(
+            "`model` and `ref_model` are the same object. Pass ref_model=None (a frozen copy is made, or the "
+            "disabled adapter is used with PEFT) or a separate copy."
+        )
+
+
+def build_reference(policy: nn.Module, ref_model: nn.Module | None, is_peft: bool) -> nn.Module | None:
+    """The frozen reference in eval mode: ``ref_model`` when given, else None for a PEFT policy
+    (its disabled adapter is the reference, :func:`reference_adapter`), else a deep copy of
+    ``policy``. The caller's ``policy`` is not changed."""
+    if ref_model is not None:
+        ref = ref_model
+    elif is_peft:
+        return None
+    else:
+        ref = copy.deepcopy(policy)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+@contextmanager
+def reference_adapter(policy: nn.Module, parameters: Iterable[nn.Parameter], ref_adapter_name: str | None = None,
+                      model_adapter_name: str | None = None) -> Iterator[None]:
+    """The PEFT ``policy`` as the reference for the block: its adapter disabled, or the named
+    reference adapter ``ref_adapter_name`` active (``model_adapter_name``, default
+    ``"default"``, active again after).
+
+    Every ``requires_grad`` flag of ``parameters`` (the whole trained module's) is restored on
+    exit: peft's ``set_adapter`` (which ``disable_adapter`` also calls on exit) freezes every
+    adapter but the active one, which silently froze a separate value adapter after the first
+    reference pass.
+    """
+    flags = [(p, p.requires_grad) for p in parameters]
+    try:
+        if ref_adapter_name:
+            policy.set_adapter(ref_adapter_name)
+            try:
+                yield
+            finally:
+                policy.set_adapter(model_adapter_name or "default")
+        else:
+            with policy.disable_adapter():
+                yield
+    finally:
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+
+def checkpointing_kwargs(args) -> dict | None:
+    """The ``gradient_checkpointing_kwargs`` a config asks the trained models to checkpoint
+    with, or None when it asks for no checkpointing: transformers' ``activation_checkpointing``
+    (its new name) or ``gradient_checkpointing`` (TRL's default True), with their kwargs,
+    non-reentrant unless they say otherwise.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> checkpointing_kwargs(SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=None))
+        {'use_reentrant': False}
+        >>> checkpointing_kwargs(SimpleNamespace(gradient_checkpointing=False, gradient_checkpointing_kwargs=None))
+    """
+    if not (getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing):
+        return None
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
+    kwargs.setdefault("use_reentrant", False)
+    return kwargs
