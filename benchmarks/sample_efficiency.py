@@ -1,4 +1,4 @@
-"""Sample efficiency: reward against episodes, over seeds, for named arms (issue 21).
+"""Sample efficiency: reward against episodes, over seeds, for named arms.
 
     python benchmarks/sample_efficiency.py --task synthetic --arms trl112 defaults --seeds 8 --out DIR
     python benchmarks/sample_efficiency.py --task verifiable --arms trl112 defaults recipe --out DIR
@@ -7,7 +7,7 @@
 An *arm* is a name for a way to train: ``PPOConfig`` overrides on top of the task's settings,
 which trainer runs them (this package's, or TRL 1.12's own ``trl.experimental.ppo.PPOTrainer``
 for the ``trl112`` arm) and which reward variant of the task it trains on (``default``; the
-synthetic task also has issue 22's ``process``, ``process_prefix``, ``final`` and ``other_vocab``,
+synthetic task also has the reward variants ``process``, ``process_prefix``, ``final`` and ``other_vocab``,
 see ``REWARD_VARIANTS``: the true reward as per-token or final reward functions, an RM of another
 vocabulary; each measured by the same true reward of the policy's completions).
 ``--arm NAME:field=value,field=value`` adds one on the command line (values are read as JSON,
@@ -173,7 +173,7 @@ class TaskSpec:
     rewards: tuple[str, ...] = ("default",)  # the reward variants an arm may pick (see REWARD_VARIANTS)
 
 
-# The reward variants of the synthetic task (issue 22); every one is measured by the same true reward.
+# The reward variants of the synthetic task; every one is measured by the same true reward.
 REWARD_VARIANTS = {
     "default": "the task's own reward: the trained reward model (synthetic), the example's functions (verifiable)",
     "process": "the true reward as a per-token reward function: each nice word's share on its token, the stop "
@@ -547,7 +547,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                           peft_config=lora)
         else:
             models.update(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
-        if arm.reward != "default":  # issue 22's variants: the true reward read from the policy's own ids
+        if arm.reward != "default":  # the reward variants: the true reward read from the policy's own ids
             seen: list[float] = []
 
             def batch_reward(logs):

@@ -116,7 +116,7 @@ class Task:
         return share + (self.stop_bonus if stopped and len(words) <= self.max_words else 0.0)
 
     def token_rewards(self, response: Sequence[int]) -> list[float]:
-        """The true reward spread over the response's tokens (a process reward, issue 22).
+        """The true reward spread over the response's tokens (a process reward).
 
         Each nice word gets its share ``1 / len(words)`` on its own token, the ``<eos>`` that
         stops the answer in time gets ``stop_bonus``, every other token 0, so the list sums to

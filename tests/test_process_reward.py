@@ -215,7 +215,7 @@ def test_through_text_finds_a_separator_merged_into_another_token():
 def test_a_prm_past_its_maximum_length_scores_the_steps_that_fit():
     from transformers import GPT2Config, GPT2ForTokenClassification
 
-    from trl_ppo_ext.process_reward import ProcessRewardModel
+    from trl_ppo_ext.rewards.process import ProcessRewardModel
 
     tok = build_tiny_tokenizer(words=[f"w{i}" for i in range(40)] + ["|"])
     torch.manual_seed(5)

@@ -271,7 +271,7 @@ Q_A = USER_BOT.replace("USER", "Q").replace("BOT", "A")
 
 
 def test_the_same_vocabulary_under_another_chat_template_takes_the_text_path():
-    from trl_ppo_ext.reward_text import same_rendering
+    from trl_ppo_ext.rewards.text import same_rendering
 
     policy_tok = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=USER_BOT)
     rm_tok = build_tiny_tokenizer(words=ROLE_WORDS, chat_template=Q_A)
@@ -288,7 +288,7 @@ def test_the_same_vocabulary_under_another_chat_template_takes_the_text_path():
 def test_the_same_vocabulary_with_another_plain_prompt_format_takes_the_text_path(tmp_path):
     from tokenizers import processors
 
-    from trl_ppo_ext.reward_text import same_rendering
+    from trl_ppo_ext.rewards.text import same_rendering
 
     policy_tok = build_tiny_tokenizer()
     rm_tok = build_tiny_tokenizer()
@@ -336,7 +336,7 @@ def metaspace_tokenizer(words):
 
 @pytest.mark.parametrize("kind", ["word_level", "sentencepiece"])
 def test_plain_prompt_and_completion_keep_their_word_boundary(kind):
-    from trl_ppo_ext.reward_text import plain_reward_texts
+    from trl_ppo_ext.rewards.text import plain_reward_texts
 
     tok = build_tiny_tokenizer() if kind == "word_level" else metaspace_tokenizer([f"w{i}" for i in range(40)])
     def ids(text):
@@ -383,13 +383,13 @@ def gpt2_scorer(tok, n_positions):
 
 
 def test_a_text_longer_than_the_rm_reads_is_cut_on_the_left_with_one_warning(caplog, monkeypatch):
-    from trl_ppo_ext import reward_text
+    from trl_ppo_ext.rewards import text as reward_text
 
     rm_tok = char_tokenizer()
     rm = gpt2_scorer(rm_tok, n_positions=8)
     texts = ["abcdefghijkl", "xyz"]  # 12 characters (tokens) > 8: position 8 is an index error for GPT-2
     monkeypatch.setattr(reward_text, "_warned_truncation", [], raising=False)  # this test sees the first warning
-    with caplog.at_level("WARNING", logger="trl_ppo_ext.reward_text"):
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.rewards.text"):
         scores = score_texts(rm, rm_tok, texts, batch_size=2)
         score_texts(rm, rm_tok, texts, batch_size=2)
     # the last 8 tokens, where the score is read: what the RM scores on "efghijkl" alone

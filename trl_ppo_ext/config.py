@@ -29,7 +29,7 @@ from .generation.base import VLLM_MIN_TEMPERATURE
 from .run.guards import GuardSettings
 from .run.preemption import ON_SIGTERM_CHOICES
 
-# Critic-recipe fields (issue 21) that None turns off; on the command line they arrive as text.
+# Critic-recipe fields that None turns off; on the command line they arrive as text.
 RECIPE_OPTIONAL_FLOATS = (
     "value_lam", "lam_length_alpha", "cliprange_high", "dual_clip", "critic_warmup_explained_variance",
 )
@@ -94,7 +94,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
             (``"save_and_exit"``) or return from ``train()`` (``"save_and_return"``). ``"off"``
             leaves SIGTERM's handling alone.
         value_lam (`float` or `None`, defaults to `None`):
-            Critic recipe (issue 21): the GAE lambda of the value targets only (decoupled GAE,
+            Critic recipe: the GAE lambda of the value targets only (decoupled GAE,
             VC-PPO / VAPO; 1.0 = Monte-Carlo returns); None: ``lam``, today's targets.
         lam_length_alpha (`float` or `None`, defaults to `None`):
             VAPO's length-adaptive policy lambda: each sequence's advantages use
@@ -197,7 +197,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         },
     )
 
-    # Critic recipe (issue 21). Typed `float | str | None`: argparse cannot produce None, so
+    # Critic recipe. Typed `float | str | None`: argparse cannot produce None, so
     # HfArgumentParser hands "None" over as text, made None by `_read_recipe_values`.
     value_lam: float | str | None = field(
         default=None,

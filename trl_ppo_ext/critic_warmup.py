@@ -1,4 +1,4 @@
-"""Critic warm-up (issue 21, VAPO's value pre-training): for the first updates only the value
+"""Critic warm-up (VAPO's value pre-training): for the first updates only the value
 function trains, so the policy's first steps use advantages from a critic that has seen the
 task.
 

@@ -28,7 +28,7 @@ size, ``I`` MLP size, ``V`` vocabulary, ``r`` LoRA rank; ``P`` prompt and ``T`` 
 tokens, ``L = P + T``; ``b`` sequences in one forward, ``t = b * L`` tokens; ``c`` bytes per
 element of the compute dtype (4 fp32, 2 bf16).
 
-What is assumed (the package after issue 14; say so when quoting a figure):
+What is assumed (the package as of its first memory work; say so when quoting a figure):
 
 * weights: fp32 4 B, bf16 2 B; nf4 (bitsandbytes, double quantization, blocks of 64):
   ``n/2`` packed bytes + ``n/64`` uint8 absmax + fp32 absmax of those per 256 blocks + 1092 B
@@ -57,7 +57,7 @@ What is assumed (the package after issue 14; say so when quoting a figure):
   ``response_logits`` makes a second ``(b, T, V)`` tensor (the temperature division);
   ``logprobs_from_logits`` upcasts bf16 logits to fp32 row by row and autograd keeps those
   rows (``b * T * V * 4``). No extra fp32 copy of the logits (accelerate's
-  ``convert_outputs_to_fp32``; issue 14, point 3).
+  ``convert_outputs_to_fp32``).
 * generation, last decoding step (measured): the larger of half a layer's cache (the
   concatenation copies keys, then values) + 3 fp32 ``(b, V)`` tensors (the previous step's
   logits, ``generate``'s fp32 copy, scaled scores) and 5 such tensors while sampling.

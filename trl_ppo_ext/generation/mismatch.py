@@ -19,8 +19,8 @@ Example:
 >>> old = torch.tensor([[-1.0, -2.0, -3.0]])
 >>> engine = torch.tensor([[-1.5, float("nan"), -3.25]])     # no engine log-prob for token 2
 >>> stats = logp_difference_stats(old, engine, torch.tensor([[True, True, True]]))
->>> [round(v.item(), 3) for v in stats.values()]              # mean, max over tokens 1 and 3
-[0.375, 0.5]
+>>> {k.split("/", 1)[1]: round(v.item(), 3) for k, v in stats.items()}  # tokens 1 and 3; token 2 a hole
+{'sampling_logp_difference/mean': 0.375, 'sampling_logp_difference/max': 0.5, 'missing_engine_logprobs': 1.0}
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Request: one ``POST`` of JSON per batch of at most ``batch_size`` completions, i
 
 Reply: JSON with ``"rewards"`` (``score_key``): one entry per completion of the request, in
 its order: a number; JSON ``null`` ("does not apply", a reward function's None); or per-token
-rewards (issue 22), a list of numbers (one per completion token) or of ``[token_index, number]``
+rewards, a list of numbers (one per completion token) or of ``[token_index, number]``
 pairs, placed by the trainer as a reward function's lists (``rewards.token_rewards``).
 OpenRLHF's ``"extra_logs"`` (``{name: one number per completion, or one number}``) are
 logged through the trainer's ``log_metric`` (TRL GRPO's) as ``rewards/<name of this

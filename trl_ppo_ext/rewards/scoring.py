@@ -16,7 +16,7 @@ The scores of one completion combine as a weighted sum over the rewards that app
 (``PPOConfig.reward_weights``, default 1 each). A completion to which no reward applies gets 0
 and a warning; NaN or inf pass through to the non-finite guard, as an RM's would.
 
-Issue 22 adds, for the trainer to wire: per-token rewards (a function may return, per
+Beyond one number per completion: per-token rewards (a function may return, per
 completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
 :func:`evaluate_rewards_per_token`), a process reward model's step scores on the step separators
 (:func:`process_rewards`), reward models with their own tokenizer (``Reward.tokenizer``,
