@@ -148,7 +148,7 @@ EXPECTED_METRICS = [
     "objective/entropy", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
     "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/explained_variance", "val/ratio",
     "val/ratio_max", "val/advantage_mean", "val/advantage_std", "val/response_length", "val/eos_rate",
-    "val/truncation_rate", "lr", "eps",
+    "val/num_eos_tokens", "val/truncation_rate", "lr", "eps",
 ]
 
 

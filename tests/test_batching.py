@@ -43,6 +43,17 @@ def test_total_episodes_unset_means_epochs_over_the_dataset():
     assert (plan.total_episodes, plan.num_total_batches) == (25, 7)  # int(2.5 * 10); ceil(25 / 4)
 
 
+@pytest.mark.parametrize("max_steps, total, expected_updates", [(-1, 50, 5), (0, 50, 5), (4, 50, 4), (2, None, 2)])
+def test_max_steps_counts_updates_and_wins_over_total_episodes(max_steps, total, expected_updates):
+    # batch 2 * 3 * 2 processes = 12 completions per update; 50 episodes = ceil(50 / 12) = 5 updates
+    # without max_steps; with it, max_steps updates of 12 (transformers: max_steps wins over epochs);
+    # total_episodes=None with 100 prompts and 1 epoch would be ceil(100 / 12) = 9 updates
+    args = SimpleNamespace(**vars(_args(2, 3, 1, total=total)), max_steps=max_steps)
+    plan = BatchPlan.from_config(args, world_size=2, dataset_len=100)
+    expected_total = 50 if max_steps <= 0 else 12 * max_steps
+    assert (plan.num_total_batches, plan.total_episodes) == (expected_updates, expected_total)
+
+
 def test_fill_config_writes_trl_derived_fields():
     args = _args(4, 2, 2, total=32)
     BatchPlan.from_config(args, world_size=2, dataset_len=64).fill_config(args)

@@ -130,8 +130,8 @@ def peak(run: PPORun, model: ModelShape = SEVEN_B, phase: str | None = None) -> 
 
 def test_checkpointing_lowers_the_update():
     for run in (PPORun(), PPORun(base_dtype="bf16"), PPORun(shared=False, base_dtype="bf16")):
-        on = replace(run, gradient_checkpointing=True)
-        assert peak(on, phase="update") < peak(run, phase="update")
+        on, off = replace(run, gradient_checkpointing=True), replace(run, gradient_checkpointing=False)
+        assert peak(on, phase="update") < peak(off, phase="update")
         assert peak(on, phase="generation") == peak(run, phase="generation")
 
 
@@ -395,7 +395,7 @@ def test_one_ppo_update_on_the_cpu_matches_the_model(make_trainer, make_prompts)
     shape = ModelShape(128, 2, 4, 256, len(tok))
     run = PPORun(per_device_train_batch_size=B, gradient_accumulation_steps=1,
                  local_rollout_forward_batch_size=B, prompt_length=P, response_length=T,
-                 base_dtype="fp32", compute_dtype="fp32", lora_r=8)
+                 base_dtype="fp32", compute_dtype="fp32", lora_r=8, gradient_checkpointing=False)
     e = estimate(shape, run, first_update=True)
     for phase, (low, high) in {"generation": (-0.08, 0.05), "update": (-0.05, 0.05), "scoring": (0, 0.15)}.items():
         error = e.phase_total(phase) / peaks[phase] - 1
@@ -436,3 +436,17 @@ def test_cli_fits_table_and_bad_arguments(capsys):
     with pytest.raises(SystemExit):  # a missing file is a usage error naming the flag, not a traceback
         M.main(["--config", "/nonexistent/config.json"])
     assert "--config /nonexistent/config.json" in capsys.readouterr().err
+
+
+def test_the_defaults_are_the_trainers_checkpointing_on(tmp_path, capsys):
+    """The bare command models what a run with the trainer's defaults holds: TRL's
+    gradient_checkpointing=True; --no-gradient-checkpointing models it off."""
+    from trl_ppo_ext import PPOConfig
+
+    assert PPORun().gradient_checkpointing is True
+    assert PPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False).gradient_checkpointing is True
+    assert M.run_from_args(M.parse_args(["--preset", "llama-7b"])).gradient_checkpointing is True
+    assert M.run_from_args(M.parse_args(["--preset", "llama-7b", "--no-gradient-checkpointing"])
+                           ).gradient_checkpointing is False
+    M.main(["--preset", "llama-7b", "--card", "24"])
+    assert "checkpointing on" in capsys.readouterr().out

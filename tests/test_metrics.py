@@ -66,6 +66,7 @@ def test_update_statistics_by_hand():
     assert m["val/ratio"] == pytest.approx(1.0) and m["val/ratio_var"] == pytest.approx(0.01)  # population var
     assert m["val/explained_variance"] == pytest.approx(1.0)  # values equal the returns
     assert m["val/response_length"] == 2.5 and m["val/eos_rate"] == 0.5
+    assert m["val/num_eos_tokens"] == 1.0  # TRL's key: one of the two responses ended with its EOS
     assert m["val/truncation_rate"] == 0.5  # row 1: no stop and all 3 positions used
     assert m["val/advantage_mean"] == 0.25 and m["val/advantage_std"] == 0.75
     assert m["policy/grad_norm"] == 4.0

@@ -34,6 +34,47 @@ def test_sigterm_sets_the_flag_and_the_previous_handler_comes_back():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_second_sigterm_goes_to_the_previous_handler_at_once():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: seen.append("outer"))
+    try:
+        with SigtermWatcher("save_and_exit") as watcher:
+            os.kill(os.getpid(), signal.SIGTERM)  # the notice: a flag, the run goes on to its checkpoint
+            assert watcher.received and seen == []
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one (e.g. during the checkpoint's save): now
+            assert seen == ["outer"]
+            assert signal.getsignal(signal.SIGTERM) is not watcher._handle  # handed back at once
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_the_save_ends_the_process(second):
+    """A process whose first SIGTERM is being turned into a checkpoint (here: a long sleep in its
+    place) ends on a second SIGTERM (status -15, the default handler) or on SIGINT (Python's
+    KeyboardInterrupt), instead of finishing the save."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from trl_ppo_ext.run.preemption import SigtermWatcher\n"
+        "with SigtermWatcher('save_and_exit') as watcher:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    assert watcher.received\n"
+        f"    os.kill(os.getpid(), signal.{second})\n"
+        "    time.sleep(30)\n"
+        "print('saved')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "saved" not in proc.stdout
+    if second == "SIGTERM":
+        assert proc.returncode == -signal.SIGTERM
+        assert "second SIGTERM: stopping now" in proc.stderr
+    else:
+        assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+
+
 def test_off_installs_nothing_and_a_wrong_action_is_named():
     before = signal.getsignal(signal.SIGTERM)
     with SigtermWatcher("off") as watcher:

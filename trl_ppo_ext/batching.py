@@ -16,6 +16,7 @@ by the valid-token count of the whole mini-batch, so uneven micro-batches weigh 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,10 @@ class BatchPlan:
         """The plan for ``args`` (a ``PPOConfig``) on ``world_size`` processes.
 
         ``total_episodes=None`` means ``num_train_epochs`` passes over ``dataset_len`` prompts
-        (TRL's rule). Raises ``ValueError`` naming the setting to change when
+        (TRL's rule). ``max_steps > 0`` (transformers' field, default -1) counts updates and wins
+        over both, as it wins over ``num_train_epochs`` in every transformers trainer:
+        ``total_episodes = max_steps * batch_size``. Raises ``ValueError`` naming the setting to
+        change when
         ``num_mini_batches`` does not divide the per-process rollout batch, or when no
         update would run.
         """
@@ -54,6 +58,9 @@ class BatchPlan:
             world_size=int(world_size),
             total_episodes=int(total),
         )
+        max_steps = int(getattr(args, "max_steps", -1) or -1)
+        if max_steps > 0:
+            plan = dataclasses.replace(plan, total_episodes=max_steps * plan.batch_size)
         plan._check()
         return plan
 

@@ -26,6 +26,7 @@ from ._utils import optional_number_from_text
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
+from .grpo_names import GRPOAliases, refuse_foreign_names
 from .run.guards import GuardSettings
 from .run.preemption import ON_SIGTERM_CHOICES
 
@@ -41,13 +42,16 @@ def _bf16_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+@refuse_foreign_names
 @dataclass
-class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
+class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOAliases):
     r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
     guard-rail thresholds of [`trl_ppo_ext.run.guards.GuardSettings`] (``nonfinite_halt_after``,
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
     TRL GRPO's vLLM fields of [`trl_ppo_ext.generation.arguments.VLLMArguments`] (``use_vllm``,
-    ``vllm_mode``, ``vllm_importance_sampling_correction``, ...; see docs/vllm.md), plus:
+    ``vllm_mode``, ``vllm_importance_sampling_correction``, ...; see docs/vllm.md), GRPO's names
+    for four PPO fields (``max_completion_length``, ``num_iterations``, ``epsilon``,
+    ``epsilon_high``; [`trl_ppo_ext.grpo_names`]), plus:
 
     Parameters:
         entropy_coef (`float`, defaults to `0.0`):
@@ -241,6 +245,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments):
         return GuardSettings(**{f.name: getattr(self, f.name) for f in fields(GuardSettings)})
 
     def __post_init__(self):
+        self.resolve_grpo_aliases()  # first: every check below reads the PPO names
         # TRL turns an unset `bf16` into True, and transformers then refuses to start on a
         # machine without bf16 support ("Your setup doesn't support bf16/gpu"). Unset means
         # "bf16 where the hardware has it": True on a bf16-capable CUDA device, else False.

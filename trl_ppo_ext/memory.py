@@ -1,7 +1,7 @@
 """Expected peak accelerator memory of a PPO run, phase by phase: does it fit one card?
 
-    python -m trl_ppo_ext.memory --preset llama-7b --card 24
-    python -m trl_ppo_ext.memory --config path/to/config.json --base bf16 --gradient-checkpointing
+    python -m trl_ppo_ext.memory --preset llama-7b --card 24      # the trainer's defaults
+    python -m trl_ppo_ext.memory --config path/to/config.json --base bf16 --no-gradient-checkpointing
     python -m trl_ppo_ext.memory --fits-table            # the README table
 
 Pure arithmetic over two frozen dataclasses: :class:`ModelShape` (a Llama-shaped decoder:
@@ -239,7 +239,7 @@ class PPORun:
         offload_reward_model, offload_ref_model: keep that frozen model off the device
             except while it scores (``offload_ref_model`` needs ``shared=False``).
         gradient_checkpointing: recompute each layer in backward instead of keeping its
-            activations.
+            activations. On by default, as in the trainer (TRL's ``gradient_checkpointing=True``).
         reward_model: the reward model's shape; None -> the policy's.
 
     Raises:
@@ -259,7 +259,7 @@ class PPORun:
     lora_target_modules: tuple[str, ...] = ATTENTION_TARGETS
     offload_reward_model: bool = False
     offload_ref_model: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True
     reward_model: ModelShape | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -847,7 +847,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="comma-separated names, or all-linear")
     run.add_argument("--offload-reward-model", action="store_true")
     run.add_argument("--offload-ref-model", action="store_true")
-    run.add_argument("--gradient-checkpointing", action="store_true")
+    run.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                     default=defaults.gradient_checkpointing,
+                     help="recompute layers in backward; on by default, as the trainer's gradient_checkpointing=True "
+                          "(TRL's default); --no-gradient-checkpointing models gradient_checkpointing=False")
     out = parser.add_argument_group("output")
     out.add_argument("--card", type=float, nargs="+", default=[24, 48, 80], help="card sizes, GiB")
     out.add_argument("--overhead-gib", type=float, default=1.0, help="CUDA context + workspaces")

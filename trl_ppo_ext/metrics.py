@@ -72,6 +72,9 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
         "val/advantage_std": targets.raw_advantage_std,
         "val/response_length": lengths.mean(),
         "val/eos_rate": rollout.has_stop.float().mean(),
+        # TRL's key: EOS tokens generated on one process. Each response is cut at its first stop
+        # token, so that is the count of responses that stopped (averaged over processes below)
+        "val/num_eos_tokens": rollout.has_stop.float().sum(),
         "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
         "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(float("nan")),
     }

@@ -66,9 +66,25 @@ class SigtermWatcher:
 
     def _handle(self, signum, frame) -> None:
         # Only a flag: the loop finishes the optimizer step it is in before acting on it.
-        if not self.received:
-            os.write(2, b"SIGTERM received: finishing the current optimizer step, then checkpointing.\n")
+        if self.received:
+            self._second_notice(signum, frame)
+            return
+        os.write(2, b"SIGTERM received: finishing the current optimizer step, then checkpointing "
+                    b"(a second SIGTERM stops now, without the checkpoint).\n")
         self.received = True
+
+    def _second_notice(self, signum, frame) -> None:
+        """A second SIGTERM means "now": the handler that was there before takes it (the default
+        one ends the process with status 143), even in the middle of the checkpoint's writing (the
+        checkpoint folder is written atomically, so no half-written checkpoint is left to resume)."""
+        os.write(2, b"second SIGTERM: stopping now, without the checkpoint.\n")
+        previous = self._previous if self._previous is not None else signal.SIG_DFL
+        signal.signal(signal.SIGTERM, previous)
+        self._installed = False
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.raise_signal(signal.SIGTERM)
 
     def stop_agreed(self, accelerator) -> bool:
         """True when any process received SIGTERM. Every process must call it at the same
