@@ -26,7 +26,7 @@ from ._utils import optional_number_from_text
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
-from .grpo_names import GRPOAliases, refuse_foreign_names
+from .grpo_names import GRPOFields, refuse_foreign_names
 from .run.guards import GuardSettings
 from .run.preemption import ON_SIGTERM_CHOICES
 
@@ -44,7 +44,7 @@ def _bf16_available() -> bool:
 
 @refuse_foreign_names
 @dataclass
-class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOAliases):
+class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields):
     r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
     guard-rail thresholds of [`trl_ppo_ext.run.guards.GuardSettings`] (``nonfinite_halt_after``,
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),

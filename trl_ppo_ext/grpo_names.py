@@ -2,8 +2,8 @@
 idea under a familiar name is refused with the field that means it here.
 
 A GRPO script moved to this trainer keeps most of its ``GRPOConfig(...)`` arguments. Four of
-them mean exactly what one of TRL PPO's fields means, so :class:`GRPOAliases` accepts them as
-fields (also on the command line, through ``HfArgumentParser``) and copies each onto the PPO
+them mean exactly what one of TRL PPO's fields means, so :class:`GRPOFields` accepts them as
+fields (with ``model_init_kwargs``, GRPO's keywords for loading a policy given by its id) (also on the command line, through ``HfArgumentParser``) and copies each onto the PPO
 field:
 
 ==========================  ==================  ==========================================
@@ -110,7 +110,7 @@ def _help(ppo_field: str) -> dict:
 
 
 @dataclass
-class GRPOAliases:
+class GRPOFields:
     """GRPO's names for four PPO fields; ``None`` = not given. :meth:`resolve_grpo_aliases`
     (called first thing in ``PPOConfig.__post_init__``) copies each given one onto its PPO field
     and each unset one from it, so that both read the same value."""
@@ -119,6 +119,9 @@ class GRPOAliases:
     num_iterations: int | None = field(default=None, metadata=_help("num_ppo_epochs"))
     epsilon: float | None = field(default=None, metadata=_help("cliprange"))
     epsilon_high: float | None = field(default=None, metadata=_help("cliprange_high"))
+    model_init_kwargs: dict | str | None = field(default=None, metadata={"help": (
+        "Keyword arguments for AutoModelForCausalLM.from_pretrained when `model` is a model id or folder (TRL "
+        "GRPO's field; a dict, or JSON text on the command line).")})
 
     def resolve_grpo_aliases(self) -> None:
         """Raises ``ValueError`` naming both fields when both are set to different values (the

@@ -1,0 +1,118 @@
+"""The trainer's inputs as GRPO users give them: a model id, no tokenizer, a dataset of prompts.
+
+TRL's ``GRPOTrainer(model="org/name", reward_funcs=..., train_dataset=...)`` loads the policy
+from its id (``GRPOConfig.model_init_kwargs`` for ``from_pretrained``), the tokenizer from the
+same place, and renders the dataset's ``prompt`` column itself. These functions do the same for
+:class:`trl_ppo_ext.PPOTrainer`, so a GRPO script moves with the import and the class changed:
+
+* :func:`load_policy`: a model id or folder -> ``AutoModelForCausalLM`` (a model passes through);
+* :func:`load_processing_class`: ``None`` -> the policy's own tokenizer, with a pad token;
+* :func:`prompt_dataset`: a dataset without ``input_ids`` but with a ``prompt`` (or
+  ``messages``) column -> rendered with the chat template (``data.render_prompts``); the
+  ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is.
+
+``trust_remote_code`` is never set here: pass it in ``model_init_kwargs`` when you mean it.
+
+Example:
+
+>>> from datasets import Dataset
+>>> from trl_ppo_ext.inputs import prompt_dataset
+>>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+>>> tok = build_tiny_tokenizer()
+>>> ds = prompt_dataset(Dataset.from_dict({"prompt": ["w0 w1"], "answer": ["w1"]}), tok, response_length=4)
+>>> ds.column_names, ds[0]["input_ids"]
+(['prompt', 'answer', 'input_ids'], [4, 6, 7, 3, 5])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from .data import PROMPT_COLUMNS, RenderInfo, render_prompts
+
+logger = logging.getLogger(__name__)
+
+
+def model_init_kwargs(args) -> dict:
+    """``args.model_init_kwargs`` as a dict (it may arrive as JSON text from the command line, as in
+    TRL); a ``torch_dtype``/``dtype`` given as text ("bfloat16") is left for transformers to read."""
+    kwargs = getattr(args, "model_init_kwargs", None) or {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"PPOConfig.model_init_kwargs={kwargs!r} is not JSON: {err}. Pass a dict, or JSON "
+                             'text such as \'{"dtype": "bfloat16"}\'.') from err
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"PPOConfig.model_init_kwargs must be a dict or JSON text, got {type(kwargs).__name__}.")
+    return dict(kwargs)
+
+
+def load_policy(model, args):
+    """``model`` itself, or, for a model id or folder (``str`` / ``os.PathLike``),
+    ``AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))``."""
+    if not isinstance(model, (str, os.PathLike)):
+        if model is None:
+            raise ValueError("`model` is required: a causal LM, a SharedActorCritic, or a model id / folder "
+                             "(loaded with AutoModelForCausalLM.from_pretrained and PPOConfig.model_init_kwargs).")
+        return model
+    from transformers import AutoModelForCausalLM
+
+    from .models.loading import resolve_model_source
+
+    source = resolve_model_source(model)
+    logger.info("Loading the policy from %s", source)
+    return AutoModelForCausalLM.from_pretrained(source, **model_init_kwargs(args))
+
+
+def load_processing_class(processing_class, model):
+    """``processing_class``, or for ``None`` the policy's tokenizer (``AutoTokenizer`` from the
+    folder or id the policy was loaded from), given the EOS as pad token when it has none (as
+    GRPO does: the response mask here never reads the pad id, so pad == EOS is safe)."""
+    if processing_class is not None:
+        return processing_class
+    source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not source:
+        raise ValueError(
+            f"processing_class=None, and the policy ({type(model).__name__}) does not say where it was loaded from "
+            "(config._name_or_path is empty), so its tokenizer cannot be found. Pass processing_class=tokenizer."
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def prompt_dataset(dataset, tokenizer, *, response_length: int | None = None, max_length: int | None = None,
+                   name: str = "train_dataset"):
+    """The prompts as the trainer reads them (an ``input_ids`` column).
+
+    Args:
+        dataset: a dataset with ``input_ids`` (returned as it is); or one with a ``prompt`` /
+            ``messages`` column (text or conversations), rendered with ``render_prompts``
+            (chat template, ``add_generation_prompt=True``; prompts that leave no room for
+            ``response_length`` within ``max_length`` are dropped with a count); or the
+            ``(dataset, RenderInfo)`` pair ``render_prompts`` returns; or None.
+        name: the argument's name, for errors.
+    Returns:
+        the dataset, or None for None.
+    """
+    if isinstance(dataset, tuple) and len(dataset) == 2 and isinstance(dataset[1], RenderInfo):
+        dataset = dataset[0]
+    if dataset is None:
+        return None
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "input_ids" in columns:
+        return dataset
+    if not any(c in columns for c in PROMPT_COLUMNS):
+        raise ValueError(
+            f"`{name}` has neither an `input_ids` column nor a prompt column ({' or '.join(PROMPT_COLUMNS)}); its "
+            f"columns: {list(columns)}. Name the prompt column `prompt` (text or a list of messages), or tokenize "
+            "the prompts yourself into `input_ids`."
+        )
+    rendered, _ = render_prompts(dataset, tokenizer, response_length=response_length, max_length=max_length)
+    return rendered
