@@ -3,8 +3,8 @@ idea under a familiar name is refused with the field that means it here.
 
 A GRPO script moved to this trainer keeps most of its ``GRPOConfig(...)`` arguments. Four of
 them mean exactly what one of TRL PPO's fields means, so :class:`GRPOFields` accepts them as
-fields (with ``model_init_kwargs``, GRPO's keywords for loading a policy given by its id) (also on the command line, through ``HfArgumentParser``) and copies each onto the PPO
-field:
+fields (also on the command line, through ``HfArgumentParser``) and copies each onto the PPO
+field (beside ``model_init_kwargs``, GRPO's keywords for loading a policy given by its id):
 
 ==========================  ==================  ==========================================
 GRPO's name                 PPO's field         meaning
