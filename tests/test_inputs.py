@@ -73,7 +73,7 @@ def test_a_prompt_column_is_rendered_as_render_prompts_renders_it(prompts):
     ds = Dataset.from_dict({"prompt": prompts, "answer": ["w1", "w2"]})
     rendered = prompt_dataset(ds, tok, response_length=4)
     expected, _ = render_prompts(ds, tok, response_length=4)
-    assert rendered["input_ids"] == expected["input_ids"] == [[4, 6, 7, 3, 5], [4, 8, 3, 5]]  # <user> ..<eos><assistant>
+    assert rendered["input_ids"] == expected["input_ids"] == [[4, 6, 7, 3, 5], [4, 8, 3, 5]]  # <user> .. <assistant>
     assert rendered["answer"] == ["w1", "w2"] and rendered["prompt"] == prompts  # columns kept for rewards
 
 
