@@ -1,0 +1,53 @@
+"""What people read: which updates are logged (logging_steps), the names report_to backends show
+(TensorBoard's event files read back), and the console line."""
+
+import pytest
+
+from trl_ppo_ext.reporting import backend_keys, console_line, log_due, with_backend_keys
+
+
+@pytest.mark.parametrize("every, first, expected", [
+    (1, False, [1, 2, 3, 4, 5, 6, 7]),
+    (3, False, [3, 6, 7]),  # multiples of 3, and the last update
+    (3, True, [1, 3, 6, 7]),  # logging_first_step adds the first
+    (10, False, [7]),  # more than the run: the last update only
+])
+def test_log_due_follows_logging_steps_and_always_logs_the_last(every, first, expected):
+    assert [step for step in range(1, 8) if log_due(step, 7, every, first)] == expected
+
+
+def test_backend_keys_follow_transformers_convention():
+    logs = {"eval/true_reward": 1.0, "train/nonfinite_steps": 2.0, "objective/kl": 0.5, "episode": 8}
+    assert backend_keys(logs) == {"eval_true_reward": 1.0, "nonfinite_steps": 2.0, "objective/kl": 0.5, "episode": 8}
+    assert logs["eval/true_reward"] == 1.0  # the caller's dict is not changed
+    assert backend_keys(None) is None
+
+
+def test_tensorboard_shows_eval_and_train_without_a_doubled_prefix(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.integrations import TensorBoardCallback
+
+    cls = with_backend_keys(TensorBoardCallback)
+    assert issubclass(cls, TensorBoardCallback) and cls.__name__ == "TensorBoardCallback"
+    args = TrainingArguments(output_dir=str(tmp_path / "tb"), report_to=[])  # events under output_dir/runs/
+    state, control = TrainerState(), TrainerControl()
+    callback = cls()
+    callback.on_train_begin(args, state, control)
+    state.global_step = 1
+    callback.on_log(args, state, control, logs={"eval/true_reward": 1.5, "train/nonfinite_steps": 0.0,
+                                                "objective/kl": 0.25})
+    callback.on_train_end(args, state, control)
+    (run,) = [p for p in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    events = EventAccumulator(str(run.parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/true_reward", "train/nonfinite_steps", "train/objective/kl"} <= tags
+    assert not any(t.startswith(("train/eval/", "train/train/")) for t in tags)
+    assert events.Scalars("eval/true_reward")[0].value == 1.5
+
+
+def test_console_line_leaves_out_what_a_run_does_not_log():
+    line = console_line({"objective/scores": -0.5, "objective/kl": 0.125}, update=1, total=2, seconds=12.0)
+    assert line == "update 1/2 | score -0.500 | kl 0.125 | 12.00 s/update"
