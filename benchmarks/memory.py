@@ -461,9 +461,8 @@ def parent(args) -> None:
 
         if not _compat.trl_has_ppo():
             setups.remove("a")
-            print(f"set-up a left out: trl=={_compat.installed_trl_version()} has no PPO trainer (TRL "
-                  f"{_compat.TRL_WITHOUT_PPO} removed it); install trl<{_compat.TRL_WITHOUT_PPO} to measure "
-                  "TRL's four models. No ratios to a below.", flush=True)
+            print(f"set-up a (TRL's four models) left out, so no ratios to a below. {_compat.trl_ppo_hint()}",
+                  flush=True)
     with tempfile.TemporaryDirectory(prefix="ppo_memory_") as tmp:
         counts = build_checkpoints(args, Path(tmp))
         print(f"parameters: policy {counts['policy'] / 1e6:.1f}M, "

@@ -58,11 +58,26 @@ def test_installed_trl_is_found_where_it_keeps_the_trainer():
 
 @pytest.mark.skipif(TRL_HAS_PPO, reason="the installed TRL has a PPO trainer")
 def test_without_trl_ppo_the_upstream_classes_raise_a_clear_error():
-    with pytest.raises(ImportError, match=r"has no PPO trainer \(TRL 1.13.0 removed it"):
+    with pytest.raises(ImportError, match=r"trl 1.0.0 - 1.12 \(TRL 1.13.0 removed it\).*pip install -e . trl==1.12.0"):
         _compat.load_trl_ppo()
     with pytest.raises(ImportError, match=r"trl_ppo_ext.PPOTrainer works without it"):
         _compat.TRLPPOConfig
     assert _compat.upstream_ppo_config() is None
+
+
+@pytest.mark.skipif(TRL_HAS_PPO, reason="the installed TRL has a PPO trainer")
+def test_the_comparison_with_trls_trainer_says_how_to_get_it_before_running_anything():
+    """``conformance_setups.py --matrix ours trl`` used to run every 'ours' row, then crash with a
+    traceback; now it stops at once with how to get TRL 1.12."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "conformance_setups.py"
+    proc = subprocess.run([sys.executable, str(script), "--matrix", "ours", "trl"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""  # no row ran
+    assert "trl==1.12.0" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_our_classes_stand_on_the_base_compat_chose():

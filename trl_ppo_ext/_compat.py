@@ -96,11 +96,21 @@ def load_trl_ppo():
     found = find_trl_ppo()
     if found is None:
         raise ImportError(
-            f"trl=={installed_trl_version()} has no PPO trainer (TRL {TRL_WITHOUT_PPO} removed it; none of "
-            f"{[m for m, _, _ in _LOCATIONS]} has one). trl_ppo_ext.PPOTrainer works without it; TRL's own "
-            f"trainer needs pip install 'trl>={TRL_MIN},<{TRL_WITHOUT_PPO}'."
+            f"none of {[m for m, _, _ in _LOCATIONS]} has a PPO trainer. trl_ppo_ext.PPOTrainer works without it. "
+            + trl_ppo_hint()
         )
     return found
+
+
+def trl_ppo_hint() -> str:
+    """What a comparison with TRL's own PPO trainer needs where the installed TRL has none, and how
+    to get it: a second environment with TRL 1.12 (the last with PPO), as CI builds one."""
+    return (
+        f"TRL's own PPO trainer is in trl {TRL_MIN} - 1.12 (TRL {TRL_WITHOUT_PPO} removed it); this environment has "
+        f"trl=={installed_trl_version()}. To compare with it, make a second environment from the checkout: "
+        "python -m venv .venv-trl112 && .venv-trl112/bin/pip install torch==2.13.0 && "
+        ".venv-trl112/bin/pip install -e . trl==1.12.0, then run the same command with .venv-trl112/bin/python."
+    )
 
 
 def trl_has_ppo() -> bool:

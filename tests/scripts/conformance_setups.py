@@ -369,10 +369,16 @@ def print_matrix(trainers: list[str]) -> None:
 def main(argv: list[str]) -> int:
     """The issue's script: a Llama policy with a custom critic, TRL's default PPOConfig;
     ``--matrix ours [trl]``: the whole matrix as a table instead."""
-    if "--matrix" in argv:
-        print_matrix(argv[argv.index("--matrix") + 1:] or ["ours"])
-        return 0
     which = "trl" if "--trainer" in argv and argv[argv.index("--trainer") + 1] == "trl" else "ours"
+    trainers = argv[argv.index("--matrix") + 1:] or ["ours"] if "--matrix" in argv else [which]
+    from trl_ppo_ext import _compat
+
+    if "trl" in trainers and not _compat.trl_has_ppo():  # say so before any row runs, not a traceback after
+        print(f"--trainer trl / --matrix ... trl: {_compat.trl_ppo_hint()}", file=sys.stderr)
+        return 2
+    if "--matrix" in argv:
+        print_matrix(trainers)
+        return 0
     setup_name, variation = "llama+custom-critic", "default"
     if "--row" in argv:  # another row, e.g. under `accelerate launch` (every process writes to --out)
         setup_name, variation = argv[argv.index("--row") + 1: argv.index("--row") + 3]
