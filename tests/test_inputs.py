@@ -6,7 +6,14 @@ import torch
 from datasets import Dataset
 
 from trl_ppo_ext.data import render_prompts
-from trl_ppo_ext.inputs import load_policy, load_processing_class, model_init_kwargs, prompt_dataset
+from trl_ppo_ext.inputs import (
+    default_value_model,
+    load_policy,
+    load_processing_class,
+    load_reward_models,
+    model_init_kwargs,
+    prompt_dataset,
+)
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 
@@ -89,3 +96,46 @@ def test_tokenized_datasets_and_render_prompts_pairs_pass_through():
 def test_a_dataset_without_prompts_names_its_columns():
     with pytest.raises(ValueError, match=r"`eval_dataset` has neither .* its columns: \['text'\]"):
         prompt_dataset(Dataset.from_dict({"text": ["w0"]}), build_tiny_tokenizer(), name="eval_dataset")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_the_default_critic_is_the_policys_backbone_with_a_new_scalar_head(family):
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+
+    tok = build_tiny_tokenizer()
+    config = {"llama": LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4),
+              "gpt2": GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64),
+              "opt": OPTConfig(vocab_size=len(tok), hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                               num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64)}[family]
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config)
+    value = default_value_model(policy)
+    assert value.config.num_labels == 1
+    policy.eval(), value.eval()  # GPT-2 and OPT keep their dropout on otherwise
+    ids = torch.tensor([[6, 7, 8, 9]])
+    with torch.no_grad():  # the critic's hidden states are the policy's: same backbone weights
+        hidden = policy.base_model(input_ids=ids).last_hidden_state
+        assert torch.equal(value.base_model(input_ids=ids).last_hidden_state, hidden)
+        assert value(input_ids=ids).logits.shape == (1, 1)
+    backbone_ptrs = {p.data_ptr() for p in policy.parameters()}
+    assert not any(p.data_ptr() in backbone_ptrs for p in value.parameters())  # a copy: training one leaves the other
+
+
+def test_no_backbone_to_copy_names_both_ways_out():
+    with pytest.raises(ValueError, match="value_model=AutoModelForSequenceClassification.*peft_config=peft.LoraConfig"):
+        default_value_model(torch.nn.Linear(2, 2))
+
+
+def test_reward_model_ids_load_as_scalar_scorers(tmp_path):
+    from trl_ppo_ext.tiny import build_tiny_scorer
+
+    tok = build_tiny_tokenizer()
+    build_tiny_scorer(tok).save_pretrained(tmp_path / "rm")
+
+    def brevity(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    reward_model, funcs = load_reward_models(str(tmp_path / "rm"), [str(tmp_path / "rm"), brevity], _args())
+    assert reward_model.config.num_labels == 1 and funcs[0].config.num_labels == 1 and funcs[1] is brevity
+    assert load_reward_models(None, brevity, _args()) == (None, brevity)

@@ -7,6 +7,10 @@ same place, and renders the dataset's ``prompt`` column itself. These functions 
 
 * :func:`load_policy`: a model id or folder -> ``AutoModelForCausalLM`` (a model passes through);
 * :func:`load_processing_class`: ``None`` -> the policy's own tokenizer, with a pad token;
+* :func:`load_reward_models`: model ids among ``reward_funcs`` (and a ``reward_model`` id) ->
+  ``AutoModelForSequenceClassification(num_labels=1)``, as GRPO loads them;
+* :func:`default_value_model`: no ``value_model`` and no ``peft_config`` (a GRPO script has
+  neither) -> a critic made of the policy's backbone and a new scalar head, trained in full;
 * :func:`prompt_dataset`: a dataset without ``input_ids`` but with a ``prompt`` (or
   ``messages``) column -> rendered with the chat template (``data.render_prompts``); the
   ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is.
@@ -26,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -116,3 +121,58 @@ def prompt_dataset(dataset, tokenizer, *, response_length: int | None = None, ma
         )
     rendered, _ = render_prompts(dataset, tokenizer, response_length=response_length, max_length=max_length)
     return rendered
+
+
+def _load_scorer(source, args):
+    from transformers import AutoModelForSequenceClassification
+
+    from .models.loading import resolve_model_source
+
+    return AutoModelForSequenceClassification.from_pretrained(resolve_model_source(source), num_labels=1,
+                                                              **model_init_kwargs(args))
+
+
+def load_reward_models(reward_model, reward_funcs, args):
+    """``(reward_model, reward_funcs)`` with every model id or folder among them loaded as a
+    sequence classifier with one label (GRPO's rule for a string in ``reward_funcs``); its own
+    tokenizer is found from its path later (``rewards.text.resolve_reward_tokenizer``)."""
+    if isinstance(reward_model, (str, os.PathLike)):
+        reward_model = _load_scorer(reward_model, args)
+    if reward_funcs is None:
+        return reward_model, None
+    single = not isinstance(reward_funcs, (list, tuple))
+    funcs = [_load_scorer(f, args) if isinstance(f, (str, os.PathLike)) else f
+             for f in ([reward_funcs] if single else reward_funcs)]
+    return reward_model, funcs[0] if single else funcs
+
+
+def default_value_model(policy):
+    """The critic when the user gives none and no ``peft_config``: a sequence classifier of the
+    policy's own config (``num_labels=1``) whose backbone starts as a copy of the policy's and
+    whose scalar head is new -- the separate value model TRL's PPO docs build from a checkpoint,
+    made from the policy in memory. It trains in full beside the policy (twice the policy's
+    trainable memory); ``peft_config=LoraConfig(task_type="CAUSAL_LM")`` gives the one-GPU
+    shared actor-critic instead.
+
+    Raises ``ValueError`` for a policy that is not a transformers model with a backbone
+    (``base_model_prefix``), naming the two ways out."""
+    from transformers import AutoModelForSequenceClassification, PreTrainedModel
+
+    backbone = getattr(policy, "base_model", None) if isinstance(policy, PreTrainedModel) else None
+    if backbone is None or backbone is policy:
+        raise ValueError(
+            f"value_model=None and no peft_config, and the policy ({type(policy).__name__}) has no transformers "
+            "backbone to copy a critic from. Pass value_model=AutoModelForSequenceClassification.from_pretrained("
+            "<checkpoint>, num_labels=1), or peft_config=peft.LoraConfig(task_type='CAUSAL_LM') for the shared "
+            "actor-critic."
+        )
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    value = AutoModelForSequenceClassification.from_config(config, dtype=next(policy.parameters()).dtype)
+    value.base_model.load_state_dict(backbone.state_dict())
+    value.config._name_or_path = policy.config._name_or_path  # its tokenizer is the policy's
+    logger.warning(
+        "value_model=None and no peft_config: the critic is a copy of the policy's backbone (%s) with a new scalar "
+        "head, trained in full beside the policy. For the one-GPU layout pass peft_config=LoraConfig("
+        "task_type='CAUSAL_LM') (a LoRA policy and a value head on one shared base).", type(policy).__name__)
+    return value.to(next(policy.parameters()).device)
