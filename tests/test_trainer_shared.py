@@ -110,9 +110,18 @@ def test_error_shared_model_with_separate_value_model(make_trainer, tok):
                      value_model=build_tiny_scorer(tok))
 
 
-def test_error_no_value_model_and_no_peft_config(make_trainer, tok):
-    with pytest.raises(ValueError, match=r"value_model=None asks for a shared-backbone value head.*peft_config"):
-        make_trainer(tok, ref_model=None, reward_model=build_tiny_scorer(tok), value_model=None)
+def test_no_value_model_and_no_peft_config_gets_the_policys_backbone_as_critic(make_trainer, tok, caplog):
+    """A GRPO script gives neither: the critic is a copy of the policy's backbone under a new
+    scalar head, said in a warning that names the one-GPU layout (it was a ValueError)."""
+    policy = build_tiny_causal_lm(tok)
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.inputs"):
+        trainer = make_trainer(tok, model=policy, ref_model=None, reward_model=build_tiny_scorer(tok),
+                               value_model=None)
+    value = trainer.value_model
+    assert value is not policy and value.config.num_labels == 1
+    assert all(torch.equal(a, b) for a, b in zip(value.base_model.state_dict().values(),
+                                                   policy.base_model.state_dict().values()))
+    assert "copy of the policy's backbone" in caplog.text and "peft_config=LoraConfig" in caplog.text
 
 
 def test_error_reward_model_without_scalar_head(make_trainer, tok):

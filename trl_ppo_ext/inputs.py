@@ -55,6 +55,24 @@ def model_init_kwargs(args) -> dict:
     return dict(kwargs)
 
 
+def default_args(model):
+    """GRPO's ``args=None``: the default config, writing to ``<model name>-PPO`` (GRPO writes to
+    ``<model name>-GRPO``)."""
+    from .config import PPOConfig
+
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model).rstrip("/").split("/")[-1]
+    else:
+        name = (getattr(getattr(model, "config", None), "_name_or_path", "") or "").rstrip("/").split("/")[-1]
+    return PPOConfig(output_dir=f"{name or 'model'}-PPO")
+
+
+def max_positions(model) -> int | None:
+    """The policy's ``max_position_embeddings`` (``n_positions`` for GPT-2), None when it has none."""
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def load_policy(model, args):
     """``model`` itself, or, for a model id or folder (``str`` / ``os.PathLike``),
     ``AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))``."""
@@ -144,6 +162,19 @@ def load_reward_models(reward_model, reward_funcs, args):
     funcs = [_load_scorer(f, args) if isinstance(f, (str, os.PathLike)) else f
              for f in ([reward_funcs] if single else reward_funcs)]
     return reward_model, funcs[0] if single else funcs
+
+
+def value_model_or_default(model, value_model, peft_config):
+    """``value_model``, or :func:`default_value_model` of ``model`` when the run would otherwise have
+    no critic: no ``value_model``, no ``peft_config``, and ``model`` is neither a shared
+    actor-critic nor a ``PeftModel`` (both carry a value head of their own)."""
+    from peft import PeftModel
+
+    if value_model is not None or peft_config is not None:
+        return value_model
+    if getattr(model, "is_actor_critic", False) or isinstance(model, PeftModel):
+        return None
+    return default_value_model(model)
 
 
 def default_value_model(policy):

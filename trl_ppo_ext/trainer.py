@@ -39,12 +39,13 @@ from accelerate.utils import GradientAccumulationPlugin, gather_object
 from peft import PeftModel
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
-from . import critic_warmup
+from . import critic_warmup, inputs
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation
 from .advantages import PPOTargets, compute_targets, target_settings
@@ -77,6 +78,7 @@ from .models.prepare import (
     warn_low_precision_trainables,
 )
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+from .reporting import console_line, log_due, with_backend_keys
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel, with_process_reward_models
 from .rewards.scoring import (
@@ -148,12 +150,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def __init__(
         self,
-        args: PPOConfig,
-        processing_class,
-        model: nn.Module,
-        ref_model: nn.Module | None,
-        reward_model: nn.Module | None,
-        train_dataset,
+        args: PPOConfig | None = None,
+        processing_class=None,
+        model: nn.Module | str | None = None,
+        ref_model: nn.Module | None = None,
+        reward_model: nn.Module | str | None = None,
+        train_dataset=None,
         value_model: nn.Module | None = None,
         data_collator=None,
         eval_dataset=None,
@@ -165,7 +167,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         reward_funcs=None,
         reward_processing_classes=None,
     ) -> None:
-        args = as_ppo_config(args)
+        # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
+        args = as_ppo_config(args if args is not None else inputs.default_args(model))
+        model = inputs.load_policy(model, args)
+        processing_class = inputs.load_processing_class(processing_class, model)
+        reward_model, reward_funcs = inputs.load_reward_models(reward_model, reward_funcs, args)
+        train_dataset, eval_dataset = (
+            inputs.prompt_dataset(dataset, processing_class, response_length=args.response_length,
+                                  max_length=inputs.max_positions(model), name=name)
+            for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)))
+        value_model = inputs.value_model_or_default(model, value_model, peft_config)
         self.args = args
         self.processing_class = processing_class
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
@@ -340,7 +351,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.local_dataloader_batch_size = plan.local_batch_size
 
     def _setup_callbacks_and_state(self, callbacks) -> None:
-        report = get_reporting_integration_callbacks(self.args.report_to)
+        # report_to backends see transformers' key convention (eval/... shown as eval/, not train/eval/)
+        report = [with_backend_keys(cb) for cb in get_reporting_integration_callbacks(self.args.report_to)]
         self.callbacks = DEFAULT_CALLBACKS + report + list(callbacks or [])
         self.callback_handler = CallbackHandler(
             self.callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
@@ -556,7 +568,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._protected_checkpoints.add(f"{ckpt.CHECKPOINT_PREFIX}0")
         if path is None and self._saves_checkpoints():
             self._save_checkpoint(self.model)
-        self._start_time = time.time()
+        self._start_time = self._last_update_time = time.time()
         self._start_episode = self.state.episode
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._restore_rng()  # last: anything above may draw random numbers
@@ -954,12 +966,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """Advance the step/episode counters and log ``metrics`` (plus lr, eps, episode)."""
         self.state.episode += self.args.batch_size
         elapsed = max(time.time() - self._start_time, 1e-9)
+        previous = self._last_update_time
         metrics["eps"] = int((self.state.episode - self._start_episode) / elapsed)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["episode"] = self.state.episode
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
-        self.log(metrics)
+        now, self._last_update_time = time.time(), time.time()
+        held_out = any(key.startswith("eval/") for key in metrics)  # an evaluation is never dropped
+        if held_out or log_due(self.state.global_step, self.state.max_steps, self.state.logging_steps,
+                               self.args.logging_first_step):
+            self.log(metrics)
+            if self.is_world_process_zero():
+                tqdm.write(console_line(metrics, update=self.state.global_step, total=self.state.max_steps,
+                                        seconds=now - previous))
 
     def _end_update(self, update: int) -> None:
         self.lr_scheduler.step()
