@@ -163,8 +163,11 @@ def test_errors_before_training(make_trainer, make_models, make_prompts, tok):
         make_trainer(tok, reward_weights=[1.0], reward_model=reward, reward_funcs=[ones], **common)
     with pytest.raises(ValueError, match="No reward: pass `reward_model`"):
         make_trainer(tok, reward_model=None, **common)
-    with pytest.raises(ValueError, match=r"reward_funcs\[0\] is a str"):
-        make_trainer(tok, reward_model=None, reward_funcs=["accuracy"], **common)
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\]='accuracy': a string is a reward model's id or "
+                                         r"folder \(GRPO's rule\), and it could not be loaded"):
+        make_trainer(tok, reward_model=None, reward_funcs=["accuracy"], **common)  # no such model here
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\] is a int"):
+        make_trainer(tok, reward_model=None, reward_funcs=[3], **common)
 
 
 # ---------------------------------------------------------------- in the trainer

@@ -141,13 +141,21 @@ def prompt_dataset(dataset, tokenizer, *, response_length: int | None = None, ma
     return rendered
 
 
-def _load_scorer(source, args):
+def _load_scorer(source, args, where: str = "reward_model"):
+    """A model id or folder loaded as a one-label sequence classifier; a failure names ``where``."""
     from transformers import AutoModelForSequenceClassification
 
     from .models.loading import resolve_model_source
 
-    return AutoModelForSequenceClassification.from_pretrained(resolve_model_source(source), num_labels=1,
-                                                              **model_init_kwargs(args))
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(resolve_model_source(source), num_labels=1,
+                                                                  **model_init_kwargs(args))
+    except OSError as err:  # FileNotFoundError included: neither a folder nor a hub id, or not reachable
+        raise ValueError(
+            f"{where}={os.fspath(source)!r}: a string is a reward model's id or folder (GRPO's rule), and it could "
+            f"not be loaded ({type(err).__name__}: {str(err)[:200]}). Pass a callable reward function, a model, or "
+            "the id / folder of a sequence classifier."
+        ) from err
 
 
 def load_reward_models(reward_model, reward_funcs, args):
@@ -159,8 +167,8 @@ def load_reward_models(reward_model, reward_funcs, args):
     if reward_funcs is None:
         return reward_model, None
     single = not isinstance(reward_funcs, (list, tuple))
-    funcs = [_load_scorer(f, args) if isinstance(f, (str, os.PathLike)) else f
-             for f in ([reward_funcs] if single else reward_funcs)]
+    funcs = [_load_scorer(f, args, where=f"reward_funcs[{i}]") if isinstance(f, (str, os.PathLike)) else f
+             for i, f in enumerate([reward_funcs] if single else reward_funcs)]
     return reward_model, funcs[0] if single else funcs
 
 

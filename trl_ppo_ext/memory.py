@@ -595,10 +595,13 @@ def estimate(model: ModelShape, run: PPORun, *, first_update: bool = False) -> E
             moments appear only at its step (a one-update benchmark). False: every later
             update, with the moments resident in every phase.
 
-    Example (Llama-2-7B shape, QLoRA, the default run)::
+    Example (Llama-2-7B shape, QLoRA, the default run: checkpointing on, as in the trainer)::
 
         >>> e = estimate(PRESETS["llama-7b"], PPORun())
         >>> e.peak_phase, e.fits(24), e.fits(16)
+        ('generation', True, True)
+        >>> off = estimate(PRESETS["llama-7b"], PPORun(gradient_checkpointing=False))
+        >>> off.peak_phase, off.fits(24), off.fits(16)        # activations kept: the update peaks
         ('update', True, False)
     """
     reward = run.reward_model or model
