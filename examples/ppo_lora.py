@@ -179,7 +179,7 @@ DEMO_DEFAULTS = dict(
     eval_strategy="steps",  # every 8 updates: held-out prompts, logged as eval/* (incl. the true reward)
     eval_steps=8,
     save_strategy="no",
-    logging_steps=2,  # one short line every 2 updates under the progress bar
+    logging_steps=2,  # the trainer's one-line summary every 2 updates under the progress bar
     report_to="none",
     seed=0,
     bf16=False,
@@ -550,24 +550,13 @@ def print_samples(title: str, evaluation: Evaluation) -> None:
         print(f"  {s['prompt']!r} -> {s['response']!r}  (RM {s['rm_score']:+.2f}{true})")
 
 
-class UpdateLineProgress(ProgressCallback):
-    """The Trainer's progress bar, with one short line every ``logging_steps`` updates instead of
-    the full metrics dict (25 keys) after each one. All metrics still reach ``log_history`` and
+class BarOnly(ProgressCallback):
+    """The Trainer's progress bar without the full metrics dict (25 keys) after each logged update:
+    the trainer prints its own one-line summary of it. All metrics still reach ``log_history`` and
     any ``report_to`` integration."""
 
-    SHOWN = (("objective/scores", "RM score"), ("objective/kl", "KL"), ("policy/entropy_avg", "entropy"),
-             ("val/eos_rate", "EOS rate"), ("val/response_length", "length"), ("policy/clipfrac_avg", "clipfrac"),
-             ("eval/true_reward", "held-out true reward"))
-
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or self.training_bar is None or "episode" not in (logs or {}):
-            return
-        every = max(1, int(getattr(state, "logging_steps", None) or 1))
-        if state.global_step % every and state.global_step != state.max_steps:
-            return
-        parts = [f"update {state.global_step}/{state.max_steps}", f"episode {logs['episode']}"]
-        parts += [f"{name} {logs[key]:.3g}" for key, name in self.SHOWN if key in logs]
-        self.training_bar.write(" | ".join(parts))
+        pass
 
 
 # --------------------------------------------------------------------------------- summary
@@ -654,7 +643,7 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
                          eval_dataset=setup.eval_prompts if eval_metrics else None, eval_metrics=eval_metrics)
     if not config.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(UpdateLineProgress())
+        trainer.add_callback(BarOnly())
     show = dict(seed=script.eval_seed, task=setup.task, num_samples=script.num_samples_shown)
     before = evaluate_policy(trainer, setup.eval_prompts, **show)
     print_samples(f"Before PPO: held-out prompts, temperature {config.temperature}", before)

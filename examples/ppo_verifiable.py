@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _startup, ppo_lora, 
 import _startup  # noqa: E402  (env defaults; the package from a source checkout)
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from ppo_lora import DEMO_LORA_TARGETS, UpdateLineProgress, set_cpu_threads  # noqa: E402
+from ppo_lora import DEMO_LORA_TARGETS, BarOnly, set_cpu_threads  # noqa: E402
 from transformers import HfArgumentParser, ProgressCallback, set_seed  # noqa: E402
 from verifiable_task import (  # noqa: E402
     OPERATIONS,
@@ -251,14 +251,6 @@ def print_samples(title: str, evaluation: dict) -> None:
         print(f"  {s['prompt']!r} -> {s['completion']!r}  (answer {s['answer']}: {mark})")
 
 
-class RewardLineProgress(UpdateLineProgress):
-    """The demo's one-line progress, showing this run's rewards and held-out accuracy."""
-
-    SHOWN = (("rewards/exact_answer/mean", "accuracy"), ("rewards/format_reward/mean", "format"),
-             ("objective/kl", "KL"), ("policy/entropy_avg", "entropy"), ("val/response_length", "length"),
-             ("eval/exact_answer", "held-out accuracy (sampled)"), ("eval/other_operand", "other operand"))
-
-
 # --------------------------------------------------------------------------------- summary
 PPO_SETTINGS = ("learning_rate", "total_episodes", "batch_size", "num_total_batches", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs", "response_length", "temperature",
@@ -360,7 +352,7 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
                          eval_metrics={"other_operand": answered_other_operand})
     if not config.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(RewardLineProgress())
+        trainer.add_callback(BarOnly())
     train_subset = train.select(range(min(task_args.num_train_pairs_evaluated, len(train))))
     before = evaluate_all(trainer, held_out, train_subset, task_args)
     print_samples("Before PPO (after SFT): held-out prompts, greedy", before)

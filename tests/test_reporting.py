@@ -51,3 +51,10 @@ def test_tensorboard_shows_eval_and_train_without_a_doubled_prefix(tmp_path):
 def test_console_line_leaves_out_what_a_run_does_not_log():
     line = console_line({"objective/scores": -0.5, "objective/kl": 0.125}, update=1, total=2, seconds=12.0)
     assert line == "update 1/2 | score -0.500 | kl 0.125 | 12.00 s/update"
+
+
+def test_console_line_shows_each_reward_and_the_held_out_figures():
+    metrics = {"objective/scores": 1.0, "rewards/exact_answer/mean": 0.75, "rewards/exact_answer/std": 0.5,
+               "eval/true_reward": 1.25}
+    assert console_line(metrics, update=4, total=4, seconds=0.5) == (
+        "update 4/4 | score 1.000 | exact_answer 0.750 | eval/true_reward 1.250 | 0.50 s/update")

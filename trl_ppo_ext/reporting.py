@@ -11,7 +11,8 @@ show, and one readable console line per logged update.
   keys in transformers' own convention (``eval_true_reward``, ``nonfinite_steps``) and show
   ``eval/true_reward`` and ``train/nonfinite_steps``; ``state.log_history`` keeps this package's
   names.
-* :func:`console_line`: reward, KL, entropy, length and seconds per update in one line.
+* :func:`console_line`: score, KL, entropy, length, each reward, the held-out figures and seconds
+  per update in one line.
 
 Example:
 
@@ -74,8 +75,13 @@ def with_backend_keys(callback_cls: type) -> type:
 
 
 def console_line(metrics: dict, *, update: int, total: int, seconds: float) -> str:
-    """One readable line for a logged update (the figures of :data:`CONSOLE_FIELDS` it has)."""
+    """One readable line for a logged update: the figures of :data:`CONSOLE_FIELDS` it has, then
+    each reward's mean (``rewards/<name>/mean`` as ``<name>``) and each held-out figure
+    (``eval/<name>``)."""
     parts = [f"update {update}/{total}"]
     parts += [f"{label} {metrics[key]:{fmt}}" for key, label, fmt in CONSOLE_FIELDS if key in metrics]
+    parts += [f"{key[len('rewards/'):-len('/mean')]} {value:.3f}" for key, value in metrics.items()
+              if key.startswith("rewards/") and key.endswith("/mean")]
+    parts += [f"{key} {value:.3f}" for key, value in metrics.items() if key.startswith("eval/")]
     parts.append(f"{seconds:.2f} s/update")
     return " | ".join(parts)
