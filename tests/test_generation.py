@@ -102,7 +102,7 @@ def test_the_deprecated_cap_sets_clip_max_with_a_warning():
 
 def test_use_vllm_without_vllm_names_the_extra(monkeypatch):
     monkeypatch.setattr(arguments_module, "vllm_installed", lambda: False)
-    with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM.*trl-ppo-ext\[vllm\]"):
+    with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM.*pip install 'vllm>=0.22' requests"):
         VLLMArguments(use_vllm=True)
     VLLMArguments(use_vllm=False)  # the default path never needs it
 

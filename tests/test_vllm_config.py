@@ -65,7 +65,7 @@ def test_server_mode_without_cuda_is_refused_at_construction(tmp_path):
 
 @pytest.mark.skipif(vllm_installed(), reason="vLLM is installed here")
 def test_use_vllm_without_vllm_names_the_extra(tmp_path):
-    with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM.*trl-ppo-ext\[vllm\]"):
+    with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM.*pip install 'vllm>=0.22' requests"):
         tiny_config(tmp_path, use_vllm=True)
 
 
