@@ -1,6 +1,8 @@
 """What people read: which updates are logged (logging_steps), the names report_to backends show
 (TensorBoard's event files read back), and the console line."""
 
+from pathlib import Path
+
 import pytest
 
 from trl_ppo_ext.reporting import backend_keys, console_line, log_due, with_backend_keys
@@ -58,3 +60,26 @@ def test_console_line_shows_each_reward_and_the_held_out_figures():
                "eval/true_reward": 1.25}
     assert console_line(metrics, update=4, total=4, seconds=0.5) == (
         "update 4/4 | score 1.000 | exact_answer 0.750 | eval/true_reward 1.250 | 0.50 s/update")
+
+
+def test_a_run_reported_to_tensorboard_shows_eval_and_train_without_doubled_prefixes(make_trainer, make_prompts,
+                                                                                     tmp_path):
+    """The trainer's own report_to: held-out metrics under eval/, the counters under train/ once,
+    read back from TensorBoard's event files; log_history keeps the package's names."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    trainer = make_trainer(tok, ref_model=None, report_to=["tensorboard"], eval_dataset=make_prompts(tok, n=4),
+                           eval_metrics={"short": lambda prompts, completions: [1.0] * len(completions)},
+                           eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    trainer.train()
+    assert "eval/short" in trainer.state.log_history[0] and "train/nonfinite_steps" in trainer.state.log_history[0]
+    (events_file,) = list(Path(trainer.args.output_dir).rglob("events.out.tfevents.*"))
+    events = EventAccumulator(str(events_file.parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/short", "eval/kl", "train/nonfinite_steps", "train/objective/scores"} <= tags
+    assert not any(t.startswith(("train/eval/", "train/train/")) for t in tags)
