@@ -244,3 +244,46 @@ def test_unsorted_rows_keep_the_configured_order():
     assert [r.tolist() for r in rows] == [[0, 1, 2], [3]]
     rows = micro_batch_rows(p_len, r_len, [slice(0, 3), slice(3, 4)])
     assert [r.tolist() for r in rows] == [[3, 0, 1], [2]]  # same sizes, longest first
+
+
+def test_generation_stops_when_every_row_has_stopped():
+    """The stop ids reach transformers' ``generate`` as its EOS ids: a chunk whose rows all
+    emit EOS at once decodes one step, not ``response_length``."""
+    from trl_ppo_ext.rollout import finalize_responses, generate_responses, sampling_config
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = build_tiny_causal_lm(tok, seed=0)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()
+    head.bias.data[tok.eos_token_id] = 100.0  # every row samples EOS first
+    model.lm_head = head
+    calls = []
+    model.model.register_forward_hook(lambda *a: calls.append(1))
+    queries = torch.randint(6, len(tok), (4, 3), generator=torch.Generator().manual_seed(0))
+    stops = (tok.eos_token_id,)
+    raw = generate_responses(model, queries, torch.ones_like(queries, dtype=torch.bool),
+                             sampling_config(48, stops, tok.pad_token_id, 1.0), 48, tok.pad_token_id, chunk_size=4)
+    responses, mask, _ = finalize_responses(raw, stops, tok.pad_token_id)
+    assert mask.sum(1).tolist() == [1, 1, 1, 1] and (raw[:, 0] == tok.eos_token_id).all()
+    assert len(calls) == 1  # the prompt's forward sampled the EOS; no decoding step followed
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_max_tokens_per_micro_batch_must_be_a_positive_integer(bad, tmp_path):
+    from trl_ppo_ext import PPOConfig
+
+    with pytest.raises(ValueError, match=r"max_tokens_per_micro_batch must be a positive integer or None, got"):
+        PPOConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=bad, report_to=[])
+    assert PPOConfig(output_dir=str(tmp_path), report_to=[]).max_tokens_per_micro_batch is None
+
+
+def test_split_to_count_keeps_every_row_and_the_budget():
+    from trl_ppo_ext.batching import split_to_count
+
+    groups = [torch.tensor([0, 1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    out = split_to_count(groups, 5)
+    assert [g.tolist() for g in out] == [[0], [1], [2, 3], [4], [5, 6]]  # halve the largest (first) each time
+    with pytest.raises(ValueError, match="count=8"):
+        split_to_count(groups, 8)

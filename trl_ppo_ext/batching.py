@@ -220,3 +220,22 @@ def micro_batch_rows(
         return [order[part] for part in slices]
     ordered = torch.stack([prompt_lengths[order], response_lengths[order]]).tolist()  # one host sync
     return [order[group] for group in token_budget_groups(ordered[0], ordered[1], max_tokens)]
+
+
+def split_to_count(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``groups`` (row indices of micro-batches) cut further until there are ``count`` of them:
+    the group with the most rows is halved (its longer half first), which never raises a
+    group's token cost. For processes that must run equal counts (ZeRO, FSDP): each takes
+    the largest count of any process. ``count`` may not exceed the number of rows.
+
+    >>> [g.tolist() for g in split_to_count([torch.tensor([0, 1, 2]), torch.tensor([3])], 3)]
+    [[0, 1], [2], [3]]
+    """
+    groups = list(groups)
+    if count > sum(len(g) for g in groups):
+        raise ValueError(f"count={count} micro-batches cannot be cut from {sum(len(g) for g in groups)} rows.")
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        g = groups[i]
+        groups[i : i + 1] = [g[: (len(g) + 1) // 2], g[(len(g) + 1) // 2 :]]
+    return groups
