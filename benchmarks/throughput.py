@@ -129,7 +129,7 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
 WORKLOAD = "fixed"  # --workload: "fixed" (random policies: rows rarely stop) or "early_stop"
-# ours before issue 32: every forward at prompt + response_length width, rows in rollout/shuffled order
+# ours before trimming: every forward at prompt + response_length width, rows in rollout/shuffled order
 FULL_WIDTH = {"trim_forwards": False, "group_by_length_in_batches": False}
 LORA_R, LORA_ALPHA = 16, 32
 TOP_PHASES = ("generate", "score", "advantages", "update", "gc", "other")

@@ -13,7 +13,7 @@ mini-batch (e.g. per-device 8, one step of accumulation, 2 mini-batches: micro-b
 4; per-device 4 with mini-batches of 6: micro-batches of 4 and 2). The loss is normalised
 by the valid-token count of the whole mini-batch, so uneven micro-batches weigh right.
 
-Which rows share a micro-batch (:func:`micro_batch_rows`, issue 32): by default the
+Which rows share a micro-batch (:func:`micro_batch_rows`): by default the
 mini-batch's rows sorted by length and cut into the configured micro-batches (same count
 and sizes), or, with ``max_tokens_per_micro_batch``, into as many micro-batches as a token
 budget needs. Neither changes the mini-batch's loss or gradient beyond float summation
@@ -206,7 +206,7 @@ def micro_batch_rows(
         slices: the configured micro-batches (``BatchPlan.micro_batch_slices``).
         group_by_length: cut ``slices`` from the rows sorted by length (same count and sizes;
             rows of similar length share a micro-batch and its trimmed width); False: from the
-            rows in their (shuffled) order, as before issue 32.
+            rows in their (shuffled) order, as the trainer did before trimming existed.
         max_tokens: ``max_tokens_per_micro_batch``: ignore ``slices`` and pack the sorted rows
             by :func:`token_budget_groups` (the count varies by mini-batch and process).
     Returns:

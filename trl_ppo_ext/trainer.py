@@ -845,7 +845,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         step's gradient is that of the mini-batch's loss however the mini-batch is cut into
         micro-batches and processes -- which is why the micro-batches may be cut from
         length-sorted rows or by a token budget (``micro_batches``), each trimmed to its own
-        extent (issue 32). During a critic warm-up the policy's gradients are dropped
+        extent. During a critic warm-up the policy's gradients are dropped
         before clipping and the step.
         """
         accelerator = self.accelerator
@@ -868,7 +868,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         for i, micro in enumerate(micro_batches):
             with accumulation_step(accelerator, self.model, last=i == len(micro_batches) - 1):
                 mb, mb_adv = rollout.select(micro), adv.select(micro)
-                if self.args.trim_forwards:  # the micro-batch's own extent (issue 32)
+                if self.args.trim_forwards:  # the micro-batch's own extent
                     mb, mb_adv = trimmed_together(mb, mb_adv)
                 loss, micro_stats = self.compute_loss_terms(mb, mb_adv, num_tokens, **sequence_count)
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
