@@ -116,15 +116,21 @@ SIZES = {  # words: ordinary words in the tokenizer (+6 special tokens = vocabul
 DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one warm-up
 # Every contender, in table order. A "_nockpt" contender is its base with gradient_checkpointing=False
 # (upstream accepts the flag and never applies it, so it needs no such arm); "_vllm": use_vllm=True.
-CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt", "shared_vlora", "separate_vllm",
-              "shared_vllm")
-DEFAULT_CONTENDERS = ("upstream", "separate", "shared", "separate_nockpt", "shared_nockpt")
+CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
+              "shared_vlora", "separate_vllm", "shared_vllm")
+DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
+                      "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
 LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "ours, shared LoRA",
+          "separate_full": "separate, full wd", "shared_full": "shared, full wd",
           "separate_nockpt": "separate, no ckpt", "shared_nockpt": "shared, no ckpt",
           "shared_vlora": "shared, value LoRA",
           "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM"}
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
+MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
+WORKLOAD = "fixed"  # --workload: "fixed" (random policies: rows rarely stop) or "early_stop"
+# ours before trimming: every forward at prompt + response_length width, rows in rollout/shuffled order
+FULL_WIDTH = {"trim_forwards": False, "group_by_length_in_batches": False}
 LORA_R, LORA_ALPHA = 16, 32
 TOP_PHASES = ("generate", "score", "advantages", "update", "gc", "other")
 SCORE_PARTS = ("score.policy", "score.ref", "score.value", "score.reward")
@@ -323,13 +329,59 @@ def timed_update_parts(trainer, clock: Clock):
                 del obj.__dict__[name]  # the class's method shows through again
 
 
+# ---------------------------------------------------------------------------- early-stop workload
+@contextmanager
+def early_stop_workload(tokenizer, enabled: bool):
+    """While active (``--workload early_stop``), every ``generate`` of a Llama causal LM (the
+    policy of every contender: TRL's ``batch_generation``, ours' ``generate_responses``, peft's
+    ``generate`` under the shared layout) ends each row at a length drawn uniformly from
+    ``ceil(0.1 T) .. T``: EOS is masked before that step and forced at it (an infinite EOS
+    bias; the forwards that score the tokens are the models' own). The k-th ``generate`` call
+    of a run draws from seed ``SEED + k``, so every contender's rollouts have the same lengths."""
+    if not enabled:
+        yield
+        return
+    from transformers import GenerationMixin, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    eos, calls = tokenizer.eos_token_id, [0]
+
+    class ForcedLengths(LogitsProcessor):
+        def __init__(self, lengths: torch.Tensor, prompt_width: int):
+            self.lengths, self.prompt_width = lengths, prompt_width
+
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - self.prompt_width  # tokens generated before this one
+            now = (self.lengths.to(scores.device) == step + 1)
+            scores = scores.clone()
+            scores[~now, eos] = -float("inf")
+            scores[now] = -float("inf")
+            scores[now, eos] = 0.0
+            return scores
+
+    def generate(self, *args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        g = torch.Generator().manual_seed(SEED + calls[0])
+        calls[0] += 1
+        low = max(1, -(-RESPONSE_LENGTH // 10))
+        lengths = torch.randint(low, RESPONSE_LENGTH + 1, (input_ids.shape[0],), generator=g)
+        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+        processors.append(ForcedLengths(lengths, input_ids.shape[1]))
+        return GenerationMixin.generate(self, *args, logits_processor=processors, **kwargs)
+
+    LlamaForCausalLM.generate = generate
+    try:
+        yield
+    finally:
+        del LlamaForCausalLM.generate  # GenerationMixin's shows through again
+
+
 # ---------------------------------------------------------------------------- set-up
 def config_kwargs(output_dir: str, updates: int, ppo_epochs: int, device: str = "cpu", bf16: bool = False) -> dict:
     """The PPO settings every contender gets (TRL's defaults otherwise, e.g. lr 3e-6)."""
     return dict(use_cpu=device == "cpu",
-        output_dir=output_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+        output_dir=output_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=BATCH // MICRO,
         total_episodes=BATCH * (updates + 1), response_length=RESPONSE_LENGTH, num_ppo_epochs=ppo_epochs,
-        num_mini_batches=1, local_rollout_forward_batch_size=BATCH, stop_token="eos", missing_eos_penalty=None,
+        num_mini_batches=1, local_rollout_forward_batch_size=MICRO, stop_token="eos", missing_eos_penalty=None,
         report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
         seed=SEED, bf16=bf16,
     )
@@ -365,6 +417,8 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender.endswith("_nockpt"):
         contender, cfg = contender.removesuffix("_nockpt"), {**cfg, "gradient_checkpointing": False}
+    if contender.endswith("_full"):
+        contender, cfg = contender.removesuffix("_full"), {**cfg, **FULL_WIDTH}
     if contender == "upstream":
         from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer  # TRL 1.0 - 1.12 only
 
@@ -399,7 +453,7 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
         np.random.seed(SEED)  # upstream shuffles mini-batches with numpy
         engine_kwargs = {"enforce_eager": True} if args.enforce_eager else None
         trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock, engine_kwargs)
-        with timed_update_parts(trainer, clock):
+        with timed_update_parts(trainer, clock), early_stop_workload(tokenizer, WORKLOAD == "early_stop"):
             if contender == "upstream":
                 with timed_upstream(trainer, clock), redirect_stdout(io.StringIO()):  # "===training policy==="
                     trainer.train()
@@ -459,11 +513,13 @@ def measure_flops(size: str, args, contenders) -> None:
     from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
 
     spec = dict(SIZES[size])
+    # room for the prompt and a long response (--response-length 256)
+    spec["max_position_embeddings"] = max(256, PROMPT_LENGTHS[1] + RESPONSE_LENGTH + 8)
     tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
     dataset = random_word_prompts(tokenizer, N_PROMPTS, *PROMPT_LENGTHS, seed=SEED)
     models = PristineModels(tokenizer, spec)
-    print(f"\n== {size}: matmul GFLOP of one update (the second), B={BATCH}, T={RESPONSE_LENGTH}, "
-          f"num_ppo_epochs={args.ppo_epochs} ==")
+    print(f"\n== {size}: matmul GFLOP of one update (the second), B={BATCH} in micro-batches of {MICRO}, "
+          f"T={RESPONSE_LENGTH}, workload {WORKLOAD}, num_ppo_epochs={args.ppo_epochs} ==")
     print(f"{'contender':<18} | {'total':>8} | {'generate':>8} | {'score':>8} | {'update':>8} | total ratio")
     reference = None
     for contender in contenders:
@@ -485,7 +541,8 @@ def measure_flops(size: str, args, contenders) -> None:
             trainer = build_trainer(contender, tokenizer, dataset, models, cfg, Clock(args.device))
             trainer.remove_callback(PrinterCallback)
             trainer.add_callback(Boundaries())
-            with counted_phases(trainer, contender, counts, lambda: ended[0] == 1), redirect_stdout(io.StringIO()):
+            with counted_phases(trainer, contender, counts, lambda: ended[0] == 1), redirect_stdout(io.StringIO()), \
+                    early_stop_workload(tokenizer, WORKLOAD == "early_stop"):
                 trainer.train()
         total = whole.get_total_flops() / 1e9
         reference = reference or total
@@ -515,6 +572,8 @@ def measure_size(size: str, args, contenders=CONTENDERS) -> tuple[dict[str, list
     from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
 
     spec = dict(SIZES[size])
+    # room for the prompt and a long response (--response-length 256)
+    spec["max_position_embeddings"] = max(256, PROMPT_LENGTHS[1] + RESPONSE_LENGTH + 8)
     tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
     dataset = random_word_prompts(tokenizer, N_PROMPTS, *PROMPT_LENGTHS, seed=SEED)
     models = PristineModels(tokenizer, spec)
@@ -556,7 +615,8 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
     eps = {c: median_of(results[c], episodes_per_second) for c in contenders}
     tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in contenders}
     ratios = {c: statistics.median(paired_ratios(results, c, ref, episodes_per_second)) for c in contenders}
-    print(f"\n== {size}: {param_counts}, B={BATCH}, T={RESPONSE_LENGTH}, "
+    print(f"\n== {size}: {param_counts}, B={BATCH} in micro-batches of {MICRO}, T={RESPONSE_LENGTH}, "
+          f"workload {WORKLOAD}, "
           f"num_ppo_epochs={args.ppo_epochs}, {args.repeats} repeats x "
           f"{results[ref][0]['updates']} timed update(s) ==")
     print(f"{'contender':<18} | {'episodes/s':>10} | {'resp tok/s':>10} | {'s/update':>8} | "
@@ -638,6 +698,7 @@ def describe_machine(args) -> str:
 
 
 def main() -> None:
+    global BATCH, MICRO, RESPONSE_LENGTH, WORKLOAD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None,
                         help="comma-separated: " + ", ".join(SIZES) + " (default tiny,100m; with --vllm, 100m)")
@@ -653,6 +714,12 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="--vllm: engines without compilation")
     parser.add_argument("--flops", action="store_true",
                         help="count each contender's matmul FLOPs per phase of one update instead of timing")
+    parser.add_argument("--workload", choices=["fixed", "early_stop"], default="fixed",
+                        help="early_stop: each response ends at a length drawn from 10%%-100%% of T")
+    parser.add_argument("--response-length", type=int, default=RESPONSE_LENGTH, help="T (default 32)")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch B per update (default 4)")
+    parser.add_argument("--micro", type=int, default=None,
+                        help="per_device_train_batch_size (default B; gradient accumulation B // micro)")
     parser.add_argument("--contenders", default=None,
                         help="comma-separated subset of " + ", ".join(CONTENDERS) + " (default: all but the vLLM ones)")
     args = parser.parse_args()
@@ -666,6 +733,10 @@ def main() -> None:
         parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
     if args.repeats < 1 or (args.updates is not None and args.updates < 1):
         parser.error("--repeats and --updates must be >= 1")
+    BATCH, RESPONSE_LENGTH, WORKLOAD = args.batch, args.response_length, args.workload
+    MICRO = args.micro or BATCH
+    if BATCH % MICRO:
+        parser.error(f"--micro {MICRO} must divide --batch {BATCH}")
     torch.set_num_threads(args.threads)
     logging.getLogger("trl_ppo_ext").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")  # deprecation notices from transformers/peft would bury the table

@@ -32,7 +32,7 @@ def _launch(args, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe", "shared"])
+@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe", "shared", "budget"])
 def test_two_process_train(tmp_path, mode):
     proc = _launch([str(SCRIPT), str(tmp_path), mode])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -52,6 +52,10 @@ def test_two_process_train(tmp_path, mode):
         assert all(r["checkpointing"] for r in ranks)
         assert ranks[0]["value_adapter_end"] != ranks[0]["value_adapter_start"]
         assert ranks[0]["value_adapter_end"] == pytest.approx(ranks[1]["value_adapter_end"], rel=0, abs=1e-9)
+    if mode == "budget":  # issue 32: unequal micro-batch counts per process (DDP syncs once per step): no hang
+        assert ranks[0]["micro_batch_counts"] == [1] * 8 and ranks[1]["micro_batch_counts"] == [2] * 8
+    else:  # the configured micro-batches: 2 rows per process per mini-batch, one micro-batch of 2
+        assert all(r["micro_batch_counts"] == [1] * 8 for r in ranks)
     if mode == "recipe":  # issue 21: the warm-up's first update held the policy on both processes alike
         assert all([log["train/critic_warmup"] for log in r["logs"]] == [1.0, 0.0] for r in ranks)
     if mode == "eval":

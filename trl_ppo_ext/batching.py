@@ -12,6 +12,12 @@ a micro-batch is then ``per_device_train_batch_size`` rows or what is left of th
 mini-batch (e.g. per-device 8, one step of accumulation, 2 mini-batches: micro-batches of
 4; per-device 4 with mini-batches of 6: micro-batches of 4 and 2). The loss is normalised
 by the valid-token count of the whole mini-batch, so uneven micro-batches weigh right.
+
+Which rows share a micro-batch (:func:`micro_batch_rows`): by default the
+mini-batch's rows sorted by length and cut into the configured micro-batches (same count
+and sizes), or, with ``max_tokens_per_micro_batch``, into as many micro-batches as a token
+budget needs. Neither changes the mini-batch's loss or gradient beyond float summation
+order, since every micro-batch's token sums are divided by the whole mini-batch's count.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -153,3 +161,81 @@ class BatchPlan:
         args.mini_batch_size = self.mini_batch_size
         args.micro_batch_size = self.micro_batch_size
         args.num_total_batches = self.num_total_batches
+
+
+# ---------------------------------------------------------------------- rows of the micro-batches
+def sorted_by_length(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` long: positions of the rows, longest response first, then longest prompt
+    (stable). Args: ``(n,)`` long each (``rollout.row_extents``)."""
+    key = response_lengths * (int(prompt_lengths.max()) + 1 if prompt_lengths.numel() else 1) + prompt_lengths
+    return torch.sort(key, descending=True, stable=True).indices
+
+
+def token_budget_groups(prompt_lengths: list[int], response_lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows, given longest first, packed greedily into consecutive groups whose trimmed
+    forward has at most ``max_tokens`` token positions: ``rows * (longest prompt + longest
+    response)`` of the group. That bounds the group's real tokens too (verl's
+    ``ppo_max_token_len_per_gpu`` counts those; without packed attention a micro-batch costs
+    its padded extent). A row longer than the budget alone is a group of its own.
+
+    >>> token_budget_groups([2, 2, 1, 1], [6, 5, 3, 1], max_tokens=16)
+    [[0, 1], [2, 3]]
+    """
+    groups, current, widest_p, widest_r = [], [], 0, 0
+    for row, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        wp, wr = max(widest_p, p), max(widest_r, r)
+        if current and (len(current) + 1) * (wp + wr) > max_tokens:
+            groups.append(current)
+            current, wp, wr = [], p, r
+        current.append(row)
+        widest_p, widest_r = wp, wr
+    if current:
+        groups.append(current)
+    return groups
+
+
+def micro_batch_rows(
+    prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, slices: list[slice], *,
+    group_by_length: bool = True, max_tokens: int | None = None,
+) -> list[torch.Tensor]:
+    """The rows of each micro-batch of one mini-batch, as ``(b_i,)`` long positions into it.
+
+    Args:
+        prompt_lengths, response_lengths: ``(n,)`` long, the extents of the mini-batch's rows
+            (``rollout.row_extents``).
+        slices: the configured micro-batches (``BatchPlan.micro_batch_slices``).
+        group_by_length: cut ``slices`` from the rows sorted by length (same count and sizes;
+            rows of similar length share a micro-batch and its trimmed width); False: from the
+            rows in their (shuffled) order, as the trainer did before trimming existed.
+        max_tokens: ``max_tokens_per_micro_batch``: ignore ``slices`` and pack the sorted rows
+            by :func:`token_budget_groups` (the count varies by mini-batch and process).
+    Returns:
+        a list of disjoint index tensors covering ``0 .. n-1`` once each.
+    """
+    n = prompt_lengths.shape[0]
+    if max_tokens is None and not group_by_length:
+        return [torch.arange(n, device=prompt_lengths.device)[part] for part in slices]
+    order = sorted_by_length(prompt_lengths, response_lengths)
+    if max_tokens is None:
+        return [order[part] for part in slices]
+    ordered = torch.stack([prompt_lengths[order], response_lengths[order]]).tolist()  # one host sync
+    return [order[group] for group in token_budget_groups(ordered[0], ordered[1], max_tokens)]
+
+
+def split_to_count(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``groups`` (row indices of micro-batches) cut further until there are ``count`` of them:
+    the group with the most rows is halved (its longer half first), which never raises a
+    group's token cost. For processes that must run equal counts (ZeRO, FSDP): each takes
+    the largest count of any process. ``count`` may not exceed the number of rows.
+
+    >>> [g.tolist() for g in split_to_count([torch.tensor([0, 1, 2]), torch.tensor([3])], 3)]
+    [[0, 1], [2], [3]]
+    """
+    groups = list(groups)
+    if count > sum(len(g) for g in groups):
+        raise ValueError(f"count={count} micro-batches cannot be cut from {sum(len(g) for g in groups)} rows.")
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        g = groups[i]
+        groups[i : i + 1] = [g[: (len(g) + 1) // 2], g[(len(g) + 1) // 2 :]]
+    return groups

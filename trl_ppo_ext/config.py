@@ -229,6 +229,27 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields):
             "mini-batch (default, as before), 'grpo' mean of each sequence's token mean, 'dr_grpo' token sum over "
             "sequences * response_length. Value loss and entropy stay token means."},
     )
+    trim_forwards: bool = field(
+        default=True,
+        metadata={"help": "Run every scoring forward and every training micro-batch on its rows' own extent "
+            "(prompts cut to the longest real prompt, responses to the longest response of the chunk), "
+            "results scattered back into the (B, T) rollout. Only padding is dropped; False: full-width "
+            "forwards (prompt + response_length), as before, for comparison."},
+    )
+    group_by_length_in_batches: bool = field(
+        default=True,
+        metadata={"help": "Cut scoring chunks and each mini-batch's micro-batches (same count and sizes) from "
+            "rows sorted by length, so rows of similar length share a trimmed forward. Changes results only "
+            "by float summation order; mini-batch shuffling is unchanged. False: rows in rollout/shuffled order. "
+            "(transformers' `group_by_length` is the Trainer's dataset sampler, which PPO does not use.)"},
+    )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "Token budget of one training forward (verl's ppo_max_token_len_per_gpu): each "
+            "mini-batch's rows, sorted by length, are packed into micro-batches of at most this many token "
+            "positions (rows x (longest prompt + longest response) of the micro-batch), however many that "
+            "takes; one optimizer step per mini-batch as before. None: per_device_train_batch_size rows."},
+    )
     critic_warmup_steps: int = field(
         default=0,
         metadata={"help": "Train only the value function for the first this many updates (the policy and its "
@@ -296,6 +317,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields):
         for name in ("num_mini_batches", "num_ppo_epochs", "local_rollout_forward_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"PPOConfig.max_tokens_per_micro_batch must be a positive integer or None, got {budget!r}. Use at "
+                "least the longest prompt + response_length (a longer row gets a micro-batch of its own), or None "
+                "for micro-batches of per_device_train_batch_size rows."
+            )
         if self.response_length < 1:
             raise ValueError(
                 f"PPOConfig.response_length must be >= 1 (number of tokens to generate), got {self.response_length}."

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -128,3 +129,36 @@ def prepare_frozen_model(model: nn.Module, accelerator, prepare_deepspeed) -> nn
         logger.info("A 4-bit %s is kept unsharded on its device under DeepSpeed.", type(model).__name__)
         return model
     return prepare_deepspeed(model, accelerator)
+
+
+# ---------------------------------------------------------------------- gradient accumulation
+def needs_equal_micro_batch_counts(accelerator) -> bool:
+    """Whether every process must run as many micro-batches per mini-batch as the others.
+
+    DDP reduces gradients once, in the backward of the step's last micro-batch (the others
+    run under ``no_sync``), so processes may run different counts (a token budget gives
+    each its own). DeepSpeed ZeRO and FSDP communicate inside every backward: there each
+    process must run the same count, or the collectives stop matching and the run hangs."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.num_processes > 1 and accelerator.distributed_type in (
+        DistributedType.DEEPSPEED, DistributedType.FSDP)
+
+
+@contextmanager
+def accumulation_step(accelerator, model: nn.Module, last: bool):
+    """The backward of one micro-batch, ``last`` when it ends the mini-batch (the optimizer step).
+
+    ``accelerator.accumulate`` counts micro-batches against a fixed number of accumulation
+    steps; with ``max_tokens_per_micro_batch`` the count changes with every mini-batch and
+    process, so the step boundary is said here instead: gradient sync (DDP ``no_sync``
+    before it), accelerate's ``sync_gradients`` (the optimizer wrapper steps only then) and
+    DeepSpeed's accumulation boundary. Loss scaling is the caller's (``accelerator.backward``
+    still divides by the configured accumulation steps).
+    """
+    accelerator.gradient_state._set_sync_gradients(last)
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        wrapped.engine.set_gradient_accumulation_boundary(last)
+    with nullcontext() if last else accelerator.no_sync(model):
+        yield

@@ -30,6 +30,7 @@ import torch
 from transformers import GenerationConfig
 
 from . import functional as F
+from .batching import sorted_by_length
 from .models.policy_value import lm_logits, score_at
 
 
@@ -191,14 +192,128 @@ def valid_token_ids(sample: SampledBatch) -> tuple[list[list[int]], list[list[in
     return prompt_ids, completion_ids
 
 
-def forward_chunks(sample: SampledBatch, chunk_size: int) -> list[tuple[SampledBatch, tuple]]:
-    """``sample`` cut into consecutive row chunks of at most ``chunk_size``, each with its
+# The (B, T) fields of a SampledBatch / Rollout / PPOTargets, cut and padded together by
+# trimmed_to_extent / the scatter of ScoringChunks.merge. Per-sequence ((B,), (B, F)) and
+# scalar fields are never cut.
+TOKEN_FIELDS = frozenset({
+    "responses", "response_mask", "engine_logprobs", "logprobs", "ref_logprobs", "values", "token_rewards",
+    "kl", "non_score_rewards", "rewards", "advantages", "returns",
+})
+PROMPT_FIELDS = frozenset({"queries", "query_mask"})
+
+
+def row_extents(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_lengths (B,), response_lengths (B,))`` long: how many columns each row needs.
+
+    A prompt needs its columns from its first real token to the end (prompts are left padded,
+    see :func:`left_pad`); a response its columns up to its last valid token (0 for an
+    empty one). Equivalent to ``P - first_true(query_mask)`` and ``last_true(response_mask) + 1``.
+    """
+    P, T = query_mask.shape[1], response_mask.shape[1]
+    columns_p = torch.arange(P, device=query_mask.device)
+    first = torch.where(query_mask.bool(), columns_p, P).amin(dim=1)
+    columns_t = torch.arange(1, T + 1, device=response_mask.device)
+    last = torch.where(response_mask.bool(), columns_t, 0).amax(dim=1)
+    return P - first, last
+
+
+def trimmed_to_extent(batch, prompt_width: int | None = None, response_width: int | None = None):
+    """``batch`` (a ``SampledBatch``, ``Rollout`` or ``PPOTargets``) cut to the columns its rows use.
+
+    Prompt fields (``(b, P)``) keep their last ``prompt_width`` columns (default: the longest
+    real prompt of the rows), token fields (``(b, T)``, :data:`TOKEN_FIELDS`) their first
+    ``response_width`` (default: the longest response). Only padding is dropped: a causal
+    model's outputs on the kept positions do not depend on it (right padding is never
+    attended; left padding never attended either, and :func:`sequence_inputs` counts
+    positions from the first real token), so a forward on the trimmed batch equals the
+    full-width one on those positions. A new object; ``batch`` is not changed.
+    """
+    if prompt_width is None or response_width is None:
+        p_len, r_len = row_extents(batch.query_mask, batch.response_mask)
+        widths = torch.stack([p_len.max(), r_len.max()]).tolist() if p_len.numel() else [0, 0]  # one host sync
+        # at least one column each: a forward needs a real first token and a position to read
+        prompt_width = max(widths[0], 1) if prompt_width is None else prompt_width
+        response_width = max(widths[1], 1) if response_width is None else response_width
+    picked = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if torch.is_tensor(value) and f.name in PROMPT_FIELDS:
+            value = value[:, value.shape[1] - prompt_width:]
+        elif torch.is_tensor(value) and f.name in TOKEN_FIELDS and value.dim() > 1:
+            value = value[:, :response_width]
+        picked[f.name] = value
+    return type(batch)(**picked)
+
+
+def trimmed_together(batch, *others) -> tuple:
+    """``(batch, *others)`` each cut by :func:`trimmed_to_extent` to ``batch``'s extent (e.g.
+    a micro-batch's ``Rollout`` and its ``PPOTargets``, which has no masks of its own)."""
+    batch = trimmed_to_extent(batch)
+    widths = batch.queries.shape[1], batch.responses.shape[1]
+    return (batch, *(trimmed_to_extent(o, *widths) for o in others))
+
+
+def pad_response_columns(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    """``(b, t, ...)`` -> ``(b, width, ...)``: ``x`` followed by ``value`` (the masked fill of
+    a rollout's token fields) in the columns a trimmed forward did not compute."""
+    if x.shape[1] == width:
+        return x
+    pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def length_order(query_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` long: the rows sorted longest first by response length, then prompt length
+    (stable: equal rows keep their order), so consecutive rows have similar extents."""
+    return sorted_by_length(*row_extents(query_mask, response_mask))
+
+
+class ScoringChunks(list):
+    """The scoring forwards' chunks, ``[(part, (input_ids, attention_mask, position_ids)), ...]``
+    (iterate it as a list), and how their per-chunk results go back into batch order and width.
+
+    ``order`` ``(B,)`` long: the rollout rows the concatenated chunks hold, in that order
+    (None: the batch's own order). ``width``: ``T``, the rollout's response columns.
+    """
+
+    def __init__(self, chunks, order: torch.Tensor | None, width: int):
+        super().__init__(chunks)
+        self.order, self.width = order, width
+
+    def merge(self, results) -> torch.Tensor:
+        """One ``(b_i, ...)`` result per chunk -> ``(B, ...)`` in the rollout's row order; a token
+        result ``(b_i, t_i)`` of a trimmed chunk is first padded with 0 to ``(b_i, T)``.
+
+        Equivalent to ``out[order[rows_i]] = pad(results[i])`` for every chunk ``i``.
+        """
+        results = list(results)
+        if results and results[0].dim() > 1:
+            results = [pad_response_columns(r, self.width) for r in results]
+        merged = torch.cat(results)
+        if self.order is None:
+            return merged
+        return merged.index_select(0, torch.argsort(self.order))  # the inverse permutation
+
+
+def forward_chunks(sample: SampledBatch, chunk_size: int, *, trim: bool = False,
+                   group_by_length: bool = False) -> ScoringChunks:
+    """``sample`` cut into row chunks of at most ``chunk_size``, each with its
     :func:`sequence_inputs`: ``[(part, (input_ids, attention_mask, position_ids)), ...]``.
 
     Every scoring forward runs per chunk, so no ``(B, T, V)`` tensor exists for the batch.
+    ``group_by_length``: the chunks are cut from the rows sorted by :func:`length_order`
+    (long rows together, short rows together); ``trim``: each chunk is cut to its rows'
+    own extent (:func:`trimmed_to_extent`), so a forward's cost follows the tokens that
+    exist. Per-chunk results go back to ``(B, T)`` / ``(B,)`` in batch order with
+    :meth:`ScoringChunks.merge`; with neither flag, that is ``torch.cat``.
     """
-    parts = [sample.select(slice(s, s + chunk_size)) for s in range(0, sample.batch_size, chunk_size)]
-    return [(p, sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask)) for p in parts]
+    order = length_order(sample.query_mask, sample.response_mask) if group_by_length else None
+    ordered = sample if order is None else sample.select(order)
+    parts = [ordered.select(slice(s, s + chunk_size)) for s in range(0, sample.batch_size, chunk_size)]
+    if trim:
+        parts = [trimmed_to_extent(p) for p in parts]
+    chunks = [(p, sequence_inputs(p.queries, p.query_mask, p.responses, p.response_mask)) for p in parts]
+    return ScoringChunks(chunks, order, sample.responses.shape[1])
 
 
 def forward_responses(model, inputs: tuple, response_length: int, temperature: float, autocast=nullcontext):

@@ -49,10 +49,11 @@ from . import critic_warmup, inputs
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation
 from .advantages import PPOTargets, compute_targets, target_settings
-from .batching import BatchPlan
+from .batching import BatchPlan, micro_batch_rows, split_to_count
 from .config import PPOConfig, as_ppo_config, mixed_precision
 from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths
-from .distributed import configure_deepspeed, prepare_frozen_model, process_state
+from .distributed import (accumulation_step, configure_deepspeed, needs_equal_micro_batch_counts,
+                          prepare_frozen_model, process_state)
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
 from .generation.mismatch import sampling_weights
@@ -102,10 +103,12 @@ from .rollout import (
     left_pad,
     reference_response_logprobs,
     reward_model_scores,
+    row_extents,
     sampling_config,
     scored_rollout,
     sequence_inputs,
     stop_token_ids,
+    trimmed_together,
     valid_token_ids,
 )
 from .run import checkpointing as ckpt
@@ -689,7 +692,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
         Each frozen model is moved to the GPU once for all its chunks when offloaded.
         """
-        chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
+        chunks = self.scoring_chunks(sample)
         logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks))
         with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
             ref_logprobs = [self.reference_logprobs(p, i) for p, i in chunks]
@@ -698,9 +701,18 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         else:  # a subclass's own score_rewards: sequence rewards, as before per-token rewards existed
             (scores, reward_values, reward_applies), token_rewards = self.score_rewards(sample, chunks), None
         return scored_rollout(
-            sample, logprobs=torch.cat(logprobs), ref_logprobs=torch.cat(ref_logprobs), values=torch.cat(values),
+            sample, logprobs=chunks.merge(logprobs), ref_logprobs=chunks.merge(ref_logprobs),
+            values=chunks.merge(values),
             scores=scores, reward_values=reward_values, reward_applies=reward_applies, token_rewards=token_rewards,
         )
+
+    def scoring_chunks(self, sample: SampledBatch):
+        """``rollout.forward_chunks`` of ``local_rollout_forward_batch_size`` rows, cut from
+        length-sorted rows and trimmed to their extent as the config says; per-chunk results go
+        back to batch order and width with ``chunks.merge``."""
+        args = self.args
+        return forward_chunks(sample, args.local_rollout_forward_batch_size, trim=args.trim_forwards,
+                              group_by_length=args.group_by_length_in_batches)
 
     @torch.no_grad()
     def score_rewards(self, sample: SampledBatch, chunks: list | None = None):
@@ -737,10 +749,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
                 return self.reward_text_scores(reward, sample, function_kwargs())
             if chunks is None:
-                chunks = forward_chunks(sample, self.args.local_rollout_forward_batch_size)
+                chunks = self.scoring_chunks(sample)
             # `reward_model` through the two-argument form, which subclasses may override as in TRL
             extra = () if reward.source is self.reward_model else (reward.source,)
-            return torch.cat([self.reward_scores(p, i, *extra) for p, i in chunks])
+            return chunks.merge([self.reward_scores(p, i, *extra) for p, i in chunks])
 
     def reward_text_scores(self, reward, sample: SampledBatch, kwargs: dict | None = None) -> torch.Tensor:
         """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
@@ -831,7 +843,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         Each micro-batch's loss is its token sum over the valid-token count of the whole
         mini-batch on every process (or, by ``loss_type``, over its sequence count), so the
         step's gradient is that of the mini-batch's loss however the mini-batch is cut into
-        micro-batches and processes. During a critic warm-up the policy's gradients are dropped
+        micro-batches and processes -- which is why the micro-batches may be cut from
+        length-sorted rows or by a token budget (``micro_batches``), each trimmed to its own
+        extent. During a critic warm-up the policy's gradients are dropped
         before clipping and the step.
         """
         accelerator = self.accelerator
@@ -850,12 +864,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         loss_scale = self.plan.micro_batches_per_mini_batch * accelerator.num_processes
         nonfinite_loss = torch.zeros((), device=accelerator.device)
         decision = GuardDecision.keep_going({})
-        for part in self.plan.micro_batch_slices():
-            micro = mini[part]
-            with accelerator.accumulate(self.model):
-                loss, micro_stats = self.compute_loss_terms(
-                    rollout.select(micro), adv.select(micro), num_tokens, **sequence_count
-                )
+        micro_batches = self.micro_batches(rollout, mini)
+        for i, micro in enumerate(micro_batches):
+            with accumulation_step(accelerator, self.model, last=i == len(micro_batches) - 1):
+                mb, mb_adv = rollout.select(micro), adv.select(micro)
+                if self.args.trim_forwards:  # the micro-batch's own extent
+                    mb, mb_adv = trimmed_together(mb, mb_adv)
+                loss, micro_stats = self.compute_loss_terms(mb, mb_adv, num_tokens, **sequence_count)
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
                 accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
@@ -868,6 +883,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             for k, v in micro_stats.items():
                 stats[k].append(v)
         return decision
+
+    def micro_batches(self, rollout: Rollout, mini: torch.Tensor) -> list[torch.Tensor]:
+        """The rollout rows of each micro-batch of the mini-batch ``mini`` (``(n,)`` long rows):
+        ``batching.micro_batch_rows`` by length or by ``max_tokens_per_micro_batch``; under ZeRO or
+        FSDP every process then runs the largest count of any process (they communicate in
+        every backward), under DDP each its own."""
+        args = self.args
+        rows = micro_batch_rows(*row_extents(rollout.query_mask[mini], rollout.response_mask[mini]),
+                                self.plan.micro_batch_slices(), group_by_length=args.group_by_length_in_batches,
+                                max_tokens=args.max_tokens_per_micro_batch)
+        if args.max_tokens_per_micro_batch is not None and needs_equal_micro_batch_counts(self.accelerator):
+            count = self.accelerator.gather(torch.tensor([len(rows)], device=self.accelerator.device)).max()
+            rows = split_to_count(rows, int(count))
+        return [mini[r] for r in rows]
 
     def _step_if_finite(self, grad_norm, nonfinite_loss, update: int) -> GuardDecision:
         """The optimizer step, unless any process saw a NaN/inf loss or gradient norm.

@@ -37,6 +37,9 @@ def main() -> None:
     # recipe: issue 21's fields on (the sequence count reduced over processes, the warm-up decided alike)
     recipe = dict(loss_type="grpo", critic_warmup_steps=1, cliprange_high=0.28, dual_clip=3.0, value_lam=1.0)
     rank_now = int(os.environ.get("RANK", "0"))
+    # budget: issue 32's token budget, chosen per process so that the counts differ for certain: rank 0
+    # fits its whole mini-batch into one micro-batch, rank 1 (budget 1) runs one micro-batch per row
+    budget = dict(max_tokens_per_micro_batch=10_000 if rank_now == 0 else 1)
     # shared: the one-GPU layout (LoRA policy, value head and a value adapter of its own on one frozen base,
     # the reference = adapters off) under DDP, with TRL's default gradient checkpointing
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -55,7 +58,7 @@ def main() -> None:
     trainer = PPOTrainer(
         args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {}),
-                         **(recipe if mode == "recipe" else {})),
+                         **(recipe if mode == "recipe" else {}), **(budget if mode == "budget" else {})),
         processing_class=tok, model=policy, ref_model=None if peft or shared else ref, reward_model=reward,
         train_dataset=prompt_dataset(tok, n=12), value_model=None if shared else value, eval_dataset=eval_dataset,
         peft_config=lora if peft else None,
@@ -63,6 +66,9 @@ def main() -> None:
         reward_funcs=[reporter] if with_eval else None,
     )
     steps = record_optimizer_steps(trainer)
+    micro_counts = []
+    plan_micro_batches = trainer.micro_batches
+    trainer.micro_batches = lambda *a: micro_counts.append(len(rows := plan_micro_batches(*a))) or rows
     trainer.train()
     completions = trainer.generate_completions() if with_eval else None
     rank = trainer.accelerator.process_index
@@ -77,7 +83,7 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({
         **shared_facts,
         "world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
-        "batch_size": trainer.args.batch_size, "optimizer_steps": steps,
+        "batch_size": trainer.args.batch_size, "optimizer_steps": steps, "micro_batch_counts": micro_counts,
         "completions": None if completions is None else len(completions),
         "rank_column": None if completions is None else completions["rank"].tolist(),
         "eval_prompt_words": None if eval_dataset is None else sum(map(len, eval_dataset["input_ids"])) / 5,
