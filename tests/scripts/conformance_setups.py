@@ -325,7 +325,7 @@ def run(which: str, setup_name: str, variation: str, root: Path) -> Outcome:
         trained = trainer.model.policy if hasattr(trainer.model, "policy") else trainer.policy_model
         policy_before = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
         trainer.train()
-        outcome.updates = sum("objective/scores" in h for h in trainer.state.log_history) or trainer.state.global_step
+        outcome.updates = trainer.state.global_step  # both trainers count one step per update (logs: logging_steps)
         now = dict(trained.named_parameters())
         outcome.policy_checkpointing = is_checkpointing(trained)
         outcome.policy_moved = any(not torch.equal(p, now[n].detach()) for n, p in policy_before.items())
