@@ -14,15 +14,23 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from trl_ppo_ext import functional as F
 from trl_ppo_ext.advantages import PPOTargets
 from trl_ppo_ext.batching import micro_batch_rows, token_budget_groups
 from trl_ppo_ext.losses import ppo_loss
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
 from trl_ppo_ext.models.policy_value import PolicyAndValue
-from trl_ppo_ext import functional as F
 from trl_ppo_ext.rollout import (
-    Rollout, SampledBatch, forward_chunks, forward_responses, reference_response_logprobs, reward_model_scores,
-    row_extents, sequence_inputs, trimmed_to_extent, trimmed_together,
+    Rollout,
+    SampledBatch,
+    forward_chunks,
+    forward_responses,
+    reference_response_logprobs,
+    reward_model_scores,
+    row_extents,
+    sequence_inputs,
+    trimmed_to_extent,
+    trimmed_together,
 )
 
 VOCAB = 64
@@ -44,8 +52,7 @@ def _batch(pad_id: int = 1) -> SampledBatch:
 
 
 def _causal_lm(family: str):
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig,
-                              OPTForCausalLM)
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
     if family == "llama":
@@ -58,8 +65,14 @@ def _causal_lm(family: str):
 
 
 def _scorer(family: str, seed: int = 1):
-    from transformers import (GPT2Config, GPT2ForSequenceClassification, LlamaConfig,
-                              LlamaForSequenceClassification, OPTConfig, OPTForSequenceClassification)
+    from transformers import (
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        OPTConfig,
+        OPTForSequenceClassification,
+    )
 
     torch.manual_seed(seed)
     if family == "llama":

@@ -52,8 +52,13 @@ from .advantages import PPOTargets, compute_targets, target_settings
 from .batching import BatchPlan, micro_batch_rows, split_to_count
 from .config import PPOConfig, as_ppo_config, mixed_precision
 from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths
-from .distributed import (accumulation_step, configure_deepspeed, needs_equal_micro_batch_counts,
-                          prepare_frozen_model, process_state)
+from .distributed import (
+    accumulation_step,
+    configure_deepspeed,
+    needs_equal_micro_batch_counts,
+    prepare_frozen_model,
+    process_state,
+)
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
 from .generation.mismatch import sampling_weights
