@@ -5,14 +5,13 @@ count reduced in ``_minibatch_step``) and the critic warm-up (``critic_warmup_st
 from __future__ import annotations
 
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
 from peft import LoraConfig
 from transformers import HfArgumentParser, TrainerCallback
 
-from trl_ppo_ext import PPOConfig, PPOTrainer
+from trl_ppo_ext import PPOConfig
 from trl_ppo_ext import functional as F
 from trl_ppo_ext.critic_warmup import drop_policy_gradients, is_critic_parameter
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
@@ -64,12 +63,12 @@ def test_new_fields_parse_from_the_command_line():
 
 
 def test_deepspeed_refuses_a_critic_warmup_naming_the_field(make_config):
-    shell = SimpleNamespace(args=make_config(critic_warmup_steps=3), is_deepspeed_enabled=True)
+    from trl_ppo_ext import critic_warmup
+
     with pytest.raises(ValueError, match=r"PPOConfig.critic_warmup_steps=3 is not supported under DeepSpeed"):
-        PPOTrainer._check_critic_warmup(shell)
-    shell = SimpleNamespace(args=make_config(), is_deepspeed_enabled=True)
-    PPOTrainer._check_critic_warmup(shell)  # off: accepted
-    assert shell._critic_warming is False
+        critic_warmup.check_supported(make_config(critic_warmup_steps=3), deepspeed=True)
+    critic_warmup.check_supported(make_config(), deepspeed=True)  # off: accepted
+    critic_warmup.check_supported(make_config(critic_warmup_steps=3), deepspeed=False)  # no DeepSpeed: accepted
 
 
 # ---------------------------------------------------------------- loss_type at trainer level

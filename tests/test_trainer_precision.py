@@ -41,7 +41,7 @@ def test_reentrant_checkpointing_with_a_value_adapter_is_refused_with_its_reason
 
     model = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=LoraConfig(**LORA),
                               value_lora_config=LoraConfig(**LORA))
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext"):  # said by models.assembly
         trainer = make_trainer(tok, model=model, ref_model=None, reward_model=build_tiny_scorer(tok),
                                value_model=None, gradient_checkpointing=True,
                                gradient_checkpointing_kwargs={"use_reentrant": True})

@@ -70,3 +70,15 @@ def drop_policy_gradients(model: nn.Module) -> int:
             param.grad = None
             dropped += 1
     return dropped
+
+
+def check_supported(args, deepspeed: bool) -> None:
+    """Refuse a critic warm-up under DeepSpeed: its engine steps inside ``backward``, before the
+    policy's gradients could be dropped (:func:`drop_policy_gradients`). Raises ``ValueError``
+    naming the field."""
+    if args.critic_warmup_steps > 0 and deepspeed:
+        raise ValueError(
+            f"PPOConfig.critic_warmup_steps={args.critic_warmup_steps} is not supported under DeepSpeed "
+            "(the engine applies the optimizer step inside backward, so the policy cannot be held still). "
+            "Set critic_warmup_steps=0, or train without DeepSpeed."
+        )

@@ -215,3 +215,20 @@ def default_value_model(policy):
         "head, trained in full beside the policy. For the one-GPU layout pass peft_config=LoraConfig("
         "task_type='CAUSAL_LM') (a LoRA policy and a value head on one shared base).", type(policy).__name__)
     return value.to(next(policy.parameters()).device)
+
+
+def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset,
+                   value_model, peft_config) -> tuple:
+    """Every input of ``PPOTrainer`` as the trainer reads it, in its argument order: the policy
+    (:func:`load_policy`), its tokenizer (:func:`load_processing_class`), the reward models
+    (:func:`load_reward_models`), both datasets (:func:`prompt_dataset`) and the critic
+    (:func:`value_model_or_default`)."""
+    model = load_policy(model, args)
+    processing_class = load_processing_class(processing_class, model)
+    reward_model, reward_funcs = load_reward_models(reward_model, reward_funcs, args)
+    train_dataset, eval_dataset = (
+        prompt_dataset(dataset, processing_class, response_length=args.response_length,
+                       max_length=max_positions(model), name=name)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)))
+    value_model = value_model_or_default(model, value_model, peft_config)
+    return model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset, value_model

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 
@@ -32,6 +33,8 @@ from transformers import GenerationConfig
 from . import functional as F
 from .batching import sorted_by_length
 from .models.policy_value import lm_logits, score_at
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -516,3 +519,31 @@ def finalize_responses(responses: torch.Tensor, stop_ids: tuple, pad_token_id: i
     else:
         has_stop = torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
     return responses.masked_fill(~mask, pad_token_id), mask, has_stop
+
+
+def configured_stop_token_id(args, tokenizer) -> int | None:
+    """The one stop id the config names (``stop_token="eos"``: the tokenizer's EOS; else
+    ``stop_token_id``, None when unset): what ``missing_eos_penalty`` tests."""
+    if args.stop_token == "eos":
+        return tokenizer.eos_token_id
+    return args.stop_token_id
+
+
+def generation_stop_ids(args, tokenizer, policy) -> tuple:
+    """The stop ids of every rollout (:func:`stop_token_ids`); says once which of the checkpoint's
+    generation settings are ignored, and that temperature 0 samples near-greedily. A negative
+    temperature is refused here, before training."""
+    checkpoint = getattr(policy, "generation_config", None)
+    ignored = ignored_generation_fields(checkpoint)
+    if ignored:
+        logger.warning(
+            "The policy's generation_config sets %s; PPO ignores these: the samples must come from the "
+            "distribution the log-probs are computed under (plain sampling at PPOConfig.temperature). Remove "
+            "them from generation_config.json to silence this.",
+            ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())),
+        )
+    if args.temperature == 0:
+        logger.warning("PPOConfig.temperature=0: sampling at temperature %g (near-greedy), as TRL does.",
+                       effective_temperature(0.0))
+    effective_temperature(args.temperature)
+    return stop_token_ids(args.stop_token, args.stop_token_id, tokenizer, checkpoint)

@@ -98,13 +98,14 @@ from .rewards.text import reward_model_texts, score_texts
 from .rollout import (
     Rollout,
     SampledBatch,
+    configured_stop_token_id,
     effective_temperature,
     finalize_responses,
     forward_chunks,
     forward_responses,
     generate_responses,
     generation_pad_id,
-    ignored_generation_fields,
+    generation_stop_ids,
     left_pad,
     reference_response_logprobs,
     reward_model_scores,
@@ -112,7 +113,6 @@ from .rollout import (
     sampling_config,
     scored_rollout,
     sequence_inputs,
-    stop_token_ids,
     trimmed_together,
     valid_token_ids,
 )
@@ -177,14 +177,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ) -> None:
         # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
         args = as_ppo_config(args if args is not None else inputs.default_args(model))
-        model = inputs.load_policy(model, args)
-        processing_class = inputs.load_processing_class(processing_class, model)
-        reward_model, reward_funcs = inputs.load_reward_models(reward_model, reward_funcs, args)
-        train_dataset, eval_dataset = (
-            inputs.prompt_dataset(dataset, processing_class, response_length=args.response_length,
-                                  max_length=inputs.max_positions(model), name=name)
-            for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)))
-        value_model = inputs.value_model_or_default(model, value_model, peft_config)
+        (model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset,
+         value_model) = inputs.trainer_inputs(args, model, processing_class, reward_model, reward_funcs,
+                                              train_dataset, eval_dataset, value_model, peft_config)
         self.args = args
         self.processing_class = processing_class
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
@@ -198,7 +193,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
         # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
         self.reward_logs = RewardLogs()
-        self.stop_token_id = self._resolve_stop_token(args, processing_class)
+        self.stop_token_id = configured_stop_token_id(args, processing_class)
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.train_dataset_len = len(train_dataset)
@@ -207,8 +202,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.policy_model, self.value_model = wrapper.policy, value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
         self.model_adapter_name, self.ref_adapter_name = args.model_adapter_name, args.ref_adapter_name
-        self.stop_token_ids = self._resolve_generation(args, processing_class, wrapper.policy)
-        self._apply_gradient_checkpointing(wrapper)
+        self.stop_token_ids = generation_stop_ids(args, processing_class, wrapper.policy)
+        assembly.apply_gradient_checkpointing(wrapper, args)
         warn_low_precision_trainables(wrapper)
         max_positions = getattr(wrapper.config, "max_position_embeddings", None)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -230,7 +225,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.optimizer_cls_and_kwargs = None
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self._setup_callbacks_and_state(callbacks)
-        self._check_critic_warmup()
+        critic_warmup.check_supported(args, self.is_deepspeed_enabled)
+        self._critic_warming = False
         self._setup_dataloaders()
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
@@ -256,17 +252,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if engine is not None:
             engine.close()
 
-    def _check_critic_warmup(self) -> None:
-        """Refuse a critic warm-up under DeepSpeed: its engine steps inside ``backward``, before
-        the policy's gradients could be dropped (``critic_warmup.drop_policy_gradients``)."""
-        self._critic_warming = False
-        if self.args.critic_warmup_steps > 0 and self.is_deepspeed_enabled:
-            raise ValueError(
-                f"PPOConfig.critic_warmup_steps={self.args.critic_warmup_steps} is not supported under DeepSpeed "
-                "(the engine applies the optimizer step inside backward, so the policy cannot be held still). "
-                "Set critic_warmup_steps=0, or train without DeepSpeed."
-            )
-
     def _setup_run_control(self, eval_metrics) -> None:
         """KL controller, guard rails and the counters a checkpoint carries."""
         args = self.args
@@ -288,48 +273,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._policy_version = 0
 
     # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def _resolve_stop_token(args, processing_class) -> int | None:
-        if args.stop_token == "eos":
-            return processing_class.eos_token_id
-        return args.stop_token_id
-
-    @staticmethod
-    def _resolve_generation(args, processing_class, policy) -> tuple:
-        """The stop ids of every rollout (see ``rollout.stop_token_ids``); says once which of the
-        checkpoint's generation settings are ignored, and that temperature 0 samples near-greedily."""
-        checkpoint = getattr(policy, "generation_config", None)
-        ignored = ignored_generation_fields(checkpoint)
-        if ignored:
-            logger.warning(
-                "The policy's generation_config sets %s; PPO ignores these: the samples must come from the "
-                "distribution the log-probs are computed under (plain sampling at PPOConfig.temperature). Remove "
-                "them from generation_config.json to silence this.",
-                ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())),
-            )
-        if args.temperature == 0:
-            logger.warning("PPOConfig.temperature=0: sampling at temperature %g (near-greedy), as TRL does.",
-                           effective_temperature(0.0))
-        effective_temperature(args.temperature)  # a negative temperature fails here, before training
-        return stop_token_ids(args.stop_token, args.stop_token_id, processing_class, checkpoint)
-
-    def _apply_gradient_checkpointing(self, wrapper: nn.Module) -> None:
-        """``gradient_checkpointing=True`` (TRL's default) checkpoints the policy's and the value
-        model's activations during the update (non-reentrant unless the kwargs say otherwise).
-        Generation and scoring run without grad and keep their KV cache and speed.
-
-        A shared actor-critic with a value adapter checkpoints too, each layer recomputing under
-        the adapter it ran forward with; it refuses reentrant checkpointing, and the run then
-        goes on without checkpointing, with a warning saying why.
-        """
-        kwargs = assembly.checkpointing_kwargs(self.args)
-        if kwargs is None:
-            return
-        try:
-            wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        except ValueError as err:
-            logger.warning("gradient_checkpointing=True is not applied: %s", err)
-
     def _setup_batch_sizes(self, args) -> None:
         """The run's ``BatchPlan`` and the ``Accelerator`` that executes it; fills TRL's derived
         config fields (``batch_size``, ``local_mini_batch_size``, ``num_total_batches``, ...)."""

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -161,3 +162,23 @@ def checkpointing_kwargs(args) -> dict | None:
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
     kwargs.setdefault("use_reentrant", False)
     return kwargs
+
+
+def apply_gradient_checkpointing(wrapper, args) -> bool:
+    """``gradient_checkpointing=True`` (TRL's default) checkpoints the policy's and the value
+    model's activations during the update (:func:`checkpointing_kwargs`). Generation and scoring
+    run without grad and keep their KV cache and speed.
+
+    A shared actor-critic with a value adapter checkpoints too, each layer recomputing under the
+    adapter it ran forward with; it refuses reentrant checkpointing, and the run then goes on
+    without checkpointing, with a warning saying why. Returns whether checkpointing was applied.
+    """
+    kwargs = checkpointing_kwargs(args)
+    if kwargs is None:
+        return False
+    try:
+        wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    except ValueError as err:
+        logging.getLogger(__name__).warning("gradient_checkpointing=True is not applied: %s", err)
+        return False
+    return True
