@@ -238,3 +238,42 @@ def test_the_reward_check_ignores_padding():
 def test_action_lengths_refuses_a_float_mask():
     with pytest.raises(TypeError, match="action_mask must be a bool tensor"):
         F.action_lengths(torch.ones(1, 3))
+
+
+# --------------------------------------------------------------------------- decoupled lambdas
+
+
+def test_decoupled_value_lambda_on_the_worked_example():
+    # value_lambda 1: returns are Monte-Carlo over the actions (gamma 1): b2 1, b1 1, a2 1.1, a1 1.1
+    # advantages keep lambda .9: .5068 .452 .28 .2 as in the SPEC
+    rewards, values, response, action = worked_example(env_value=NAN)
+    advantages, returns = F.action_masked_gae_decoupled(rewards, values, response, action, 1.0, 0.9, 1.0)
+    torch.testing.assert_close(advantages, torch.tensor([[0.5068, 0.452, 0, 0, 0, 0.28, 0.2]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(returns, torch.tensor([[1.1, 1.1, 0, 0, 0, 1.0, 1.0]]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,length", [(3, 7), (4, 33)])
+def test_decoupled_equals_two_naive_loops(batch, length):
+    rng = random.Random(7 + length)
+    generator = torch.Generator().manual_seed(length)
+    response, action = random_masks(rng, batch, length)
+    rewards = torch.where(action, torch.randn(batch, length, generator=generator, dtype=torch.float64), NAN)
+    values = torch.where(action, torch.randn(batch, length, generator=generator, dtype=torch.float64), NAN)
+    lams, value_lams = [rng.random() for _ in range(batch)], [rng.random() for _ in range(batch)]
+    lam, value_lam = (torch.tensor(x, dtype=torch.float64) for x in (lams, value_lams))  # float32 would round
+    advantages, returns = F.action_masked_gae_decoupled(rewards, values, response, action, 0.9, lam, value_lam)
+    expected_advantages, _ = naive_action_gae(rewards, values, action, 0.9, lams)
+    _, expected_returns = naive_action_gae(rewards, values, action, 0.9, value_lams)
+    torch.testing.assert_close(advantages, expected_advantages, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, expected_returns, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("value_lambda", [None, 1.0, 0.5])
+def test_an_all_action_mask_is_masked_gae_decoupled_bitwise(value_lambda):
+    generator = torch.Generator().manual_seed(1)
+    response = torch.arange(30) < torch.tensor([30, 3, 0, 12])[:, None]
+    rewards, values = torch.randn(4, 30, generator=generator), torch.randn(4, 30, generator=generator)
+    expected = F.masked_gae_decoupled(rewards, values, response, 0.99, 0.95, value_lambda)
+    actual = F.action_masked_gae_decoupled(rewards, values, response, response.clone(), 0.99, 0.95, value_lambda)
+    for a, b in zip(actual, expected):
+        assert torch.equal(a, b)

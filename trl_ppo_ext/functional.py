@@ -49,6 +49,7 @@ __all__ = [
     "action_lengths",
     "check_rewards_on_actions",
     "action_masked_gae",
+    "action_masked_gae_decoupled",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -1214,7 +1215,33 @@ def action_masked_gae(
         >>> A
         tensor([[0.5068, 0.4520, 0.0000, 0.0000, 0.0000, 0.2800, 0.2000]])
     """
-    gae_lambda = _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    return action_masked_gae_decoupled(token_rewards, values, response_mask, action_mask, gamma, gae_lambda)
+
+
+def action_masked_gae_decoupled(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float,
+    gae_lambda: Lambda,
+    value_lambda: Optional[Lambda] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`masked_gae_decoupled` over the policy's own tokens (see `action_masked_gae`).
+
+    Equivalent to `action_masked_gae` with ``gae_lambda`` for the advantages, and with
+    ``value_lambda`` for the returns (None: ``gae_lambda``); with ``action_mask ==
+    response_mask`` (a prefix) it is `masked_gae_decoupled`'s result, bitwise.
+
+    Args:
+        token_rewards, values, response_mask, action_mask, gamma, gae_lambda: as
+            `action_masked_gae`, (B, T) tensors. value_lambda: a float in [0, 1], a (B,)
+            tensor, or None.
+
+    Returns:
+        ``(advantages, returns)``, both (B, T), exactly 0 off the action tokens.
+    """
+    _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
     _check_action_mask(response_mask, action_mask)
     dtype = _float_dtype(token_rewards, values)
     zero = torch.zeros((), dtype=dtype, device=values.device)
@@ -1222,8 +1249,8 @@ def action_masked_gae(
     order = torch.argsort((~action_mask).to(torch.uint8), dim=1, stable=True)
     lengths = action_mask.sum(dim=1, keepdim=True)  # n_b, (B, 1)
     compact_mask = torch.arange(action_mask.shape[1], device=action_mask.device) < lengths
-    compact_advantages, compact_returns = masked_gae(
-        token_rewards.gather(1, order), values.gather(1, order), compact_mask, gamma, gae_lambda
+    compact_advantages, compact_returns = masked_gae_decoupled(
+        token_rewards.gather(1, order), values.gather(1, order), compact_mask, gamma, gae_lambda, value_lambda
     )
     # rank[b, t] = number of action tokens of row b before t: t's place in the compacted row
     rank = (torch.cumsum(action_mask, dim=1) - 1).clamp(min=0)
