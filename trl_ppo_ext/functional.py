@@ -46,6 +46,10 @@ __all__ = [
     "entropy_from_logits",
     "masked_entropy",
     "masked_explained_variance",
+    "action_lengths",
+    "check_rewards_on_actions",
+    "action_masked_gae",
+    "action_masked_gae_decoupled",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -1066,3 +1070,190 @@ def masked_explained_variance(
     var_residual = masked_var(returns - values, response_mask)
     safe_var = torch.where(var_returns > 0, var_returns, 1)
     return torch.where(var_returns > 0, 1 - var_residual / safe_var, zero)
+
+
+# --------------------------------------------------------------------------- episodes with turns
+# A completion may hold tokens the policy did not sample (a tool result, an environment reply,
+# template glue). ``action_mask`` (B, T) bool, inside ``response_mask``, is True where the policy
+# sampled the token (SPEC "Episodes with turns"; issue 31).
+
+
+def _check_action_mask(response_mask: torch.Tensor, action_mask: torch.Tensor) -> None:
+    _check_mask(response_mask)
+    _check_mask(action_mask, "action_mask")
+    _check_same_shape(response_mask=response_mask, action_mask=action_mask)
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must have shape (B, T), got {tuple(action_mask.shape)}")
+    outside = action_mask & ~response_mask
+    if outside.any():
+        row, index = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(
+            f"action_mask must lie inside response_mask: action_mask[{row}, {index}] is True but "
+            f"response_mask[{row}, {index}] is False. Build it as `response_mask & env_mask` "
+            "(a padding token is never an action)."
+        )
+
+
+def action_lengths(action_mask: torch.Tensor) -> torch.Tensor:
+    """Number of tokens the policy sampled in each row (TRL's rule for ``completions/*_length``).
+
+    The length-adaptive lambda over the action tokens is ``length_adaptive_lam(action_mask,
+    alpha)``: it counts the True positions of the mask it is given, holes included.
+
+    Args:
+        action_mask: bool (B, T), True = the policy sampled this token.
+
+    Returns:
+        (B,) int64 counts.
+
+    Example:
+        >>> action_lengths(torch.tensor([[True, True, False, False, True], [False] * 5]))
+        tensor([3, 0])
+    """
+    _check_mask(action_mask, "action_mask")
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must have shape (B, T), got {tuple(action_mask.shape)}")
+    return action_mask.sum(dim=1)
+
+
+def check_rewards_on_actions(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    names: Optional[Union[str, Sequence[str]]] = None,
+) -> None:
+    """Refuse a non-zero reward on a response token the policy did not sample.
+
+    `action_masked_gae` never reads a reward at such a position, so one placed there would be
+    dropped silently; this check makes it an error instead (issue 31). Padding (outside
+    ``response_mask``) is not checked: nothing there is ever read. NaN counts as non-zero.
+
+    Args:
+        token_rewards: per-token rewards, (B, T), or (K, B, T) for K reward functions.
+        response_mask: bool (B, T). action_mask: bool (B, T), inside ``response_mask``.
+        names: the reward's name for a (B, T) tensor, or K names for a (K, B, T) one; None
+            names it ``token_rewards``.
+
+    Raises:
+        ValueError: naming the reward, the row and the index of the first offending token.
+
+    Example:
+        >>> mask = torch.tensor([[True, True, True]])
+        >>> check_rewards_on_actions(torch.tensor([[0.0, 0.0, 1.0]]), mask, torch.tensor([[True, False, True]]))
+        >>> check_rewards_on_actions(torch.tensor([[0.0, 0.5, 1.0]]), mask, torch.tensor([[True, False, True]]), "tool")
+        Traceback (most recent call last):
+        ...
+        ValueError: reward 'tool' is 0.5 at row 0, index 1, a response token the policy did not sample ...
+    """
+    _check_action_mask(response_mask, action_mask)
+    stacked = token_rewards if token_rewards.dim() == 3 else token_rewards[None]
+    if tuple(stacked.shape[1:]) != tuple(response_mask.shape):
+        raise ValueError(
+            f"token_rewards must have shape (B, T) or (K, B, T) with (B, T) = {tuple(response_mask.shape)}, "
+            f"got {tuple(token_rewards.shape)}"
+        )
+    if names is None:
+        names = ["token_rewards"] * stacked.shape[0]
+    elif isinstance(names, str):
+        names = [names]
+    if len(names) != stacked.shape[0]:
+        raise ValueError(f"names must give one name per reward ({stacked.shape[0]}), got {len(names)}: {list(names)}")
+    environment = response_mask & ~action_mask
+    bad = environment[None] & ~(stacked == 0)  # nan != 0 too
+    if bad.any():
+        k, row, index = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"reward {names[k]!r} is {stacked[k, row, index].item()!r} at row {row}, index {index}, a response "
+            "token the policy did not sample (action_mask is False there). Put per-token rewards on "
+            "action tokens only; the sequence score goes on the row's last action token."
+        )
+
+
+def action_masked_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float,
+    gae_lambda: Lambda,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over the policy's own tokens: environment tokens are not steps of the episode.
+
+    For row b with action positions ``i_1 < ... < i_n``:
+    ``delta_k = r[i_k] + gamma * V[i_{k+1}] - V[i_k]`` (``V[i_{n+1}] = 0``) and
+    ``A[i_k] = delta_k + gamma * lambda * A[i_{k+1}]``. Nothing stored at a non-action
+    position (reward, value, even nan/inf) is read; stepping through those tokens instead
+    (OpenRLHF, SkyRL) would add their decay and critic deltas. With ``action_mask ==
+    response_mask`` (a prefix) the result is `masked_gae`'s, bitwise.
+
+    Each row's action tokens are gathered to the left (a stable sort puts them first, in
+    order), `masked_gae` runs on the compacted (B, T) tensors, and the results are gathered
+    back (miles PR #1827 does the same). Equivalent to::
+
+        for b in range(B):
+            idx = action_mask[b].nonzero()[:, 0]
+            a, _ = masked_gae_loop(r[b, idx][None], V[b, idx][None], ones(1, len(idx)), gamma, lam_b)
+            advantages[b, idx] = a[0]; returns[b, idx] = a[0] + V[b, idx]   # 0 elsewhere
+
+    Args:
+        token_rewards: r, (B, T); `check_rewards_on_actions` refuses non-zero values off actions.
+        values: critic values V, (B, T); read on action tokens only.
+        response_mask: bool (B, T), the real response tokens.
+        action_mask: bool (B, T), True = the policy sampled the token; inside ``response_mask``.
+        gamma: discount in [0, 1].
+        gae_lambda: a float in [0, 1] or a (B,) tensor (e.g. ``length_adaptive_lam(action_mask, a)``).
+
+    Returns:
+        ``(advantages, returns)``, both (B, T) in the inputs' promoted dtype (at least
+        float32), exactly 0 off the action tokens.
+
+    Example (the SPEC's worked example: a1 a2 | o1 o2 o3 | b1 b2):
+        >>> act = torch.tensor([[True, True, False, False, False, True, True]])
+        >>> V = torch.tensor([[0.5, 0.6, 9.0, 9.0, 9.0, 0.7, 0.8]])
+        >>> r = torch.tensor([[0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 1.0]])
+        >>> A, R = action_masked_gae(r, V, torch.ones_like(act), act, gamma=1.0, gae_lambda=0.9)
+        >>> A
+        tensor([[0.5068, 0.4520, 0.0000, 0.0000, 0.0000, 0.2800, 0.2000]])
+    """
+    return action_masked_gae_decoupled(token_rewards, values, response_mask, action_mask, gamma, gae_lambda)
+
+
+def action_masked_gae_decoupled(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float,
+    gae_lambda: Lambda,
+    value_lambda: Optional[Lambda] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`masked_gae_decoupled` over the policy's own tokens (see `action_masked_gae`).
+
+    Equivalent to `action_masked_gae` with ``gae_lambda`` for the advantages, and with
+    ``value_lambda`` for the returns (None: ``gae_lambda``); with ``action_mask ==
+    response_mask`` (a prefix) it is `masked_gae_decoupled`'s result, bitwise.
+
+    Args:
+        token_rewards, values, response_mask, action_mask, gamma, gae_lambda: as
+            `action_masked_gae`, (B, T) tensors. value_lambda: a float in [0, 1], a (B,)
+            tensor, or None.
+
+    Returns:
+        ``(advantages, returns)``, both (B, T), exactly 0 off the action tokens.
+    """
+    _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
+    _check_action_mask(response_mask, action_mask)
+    dtype = _float_dtype(token_rewards, values)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    # order[b, k] = the position of row b's k-th action token for k < n_b (the rest follow)
+    order = torch.argsort((~action_mask).to(torch.uint8), dim=1, stable=True)
+    lengths = action_mask.sum(dim=1, keepdim=True)  # n_b, (B, 1)
+    compact_mask = torch.arange(action_mask.shape[1], device=action_mask.device) < lengths
+    compact_advantages, compact_returns = masked_gae_decoupled(
+        token_rewards.gather(1, order), values.gather(1, order), compact_mask, gamma, gae_lambda, value_lambda
+    )
+    # rank[b, t] = number of action tokens of row b before t: t's place in the compacted row
+    rank = (torch.cumsum(action_mask, dim=1) - 1).clamp(min=0)
+    advantages = torch.where(action_mask, compact_advantages.gather(1, rank), zero)
+    returns = torch.where(action_mask, compact_returns.gather(1, rank), zero)
+    return advantages, returns
