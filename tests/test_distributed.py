@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from trl_ppo_ext import distributed
+from trl_ppo_ext.models import sharding
 from trl_ppo_ext.batching import BatchPlan
 
 pytestmark = pytest.mark.slow  # subprocess runs
@@ -124,10 +125,10 @@ def test_configure_deepspeed_refuses_a_value_that_contradicts_the_run(key, value
 
 def test_gathered_and_full_state_are_plain_copies_without_zero3():
     layer = torch.nn.Linear(3, 2)
-    with distributed.gathered(layer.parameters()):
+    with sharding.gathered(layer.parameters()):
         pass  # no DeepSpeed import, no collective
-    copies = distributed.full_state(layer.named_parameters(), keep=True)
+    copies = sharding.full_state(layer.named_parameters(), keep=True)
     assert set(copies) == {"weight", "bias"} and torch.equal(copies["weight"], layer.weight)
     copies["weight"].zero_()
     assert not torch.equal(copies["weight"], layer.weight)  # copies, not views
-    assert distributed.full_state(layer.named_parameters(), keep=False) == {}
+    assert sharding.full_state(layer.named_parameters(), keep=False) == {}
