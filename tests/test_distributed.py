@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from trl_ppo_ext import distributed
-from trl_ppo_ext.models import sharding
 from trl_ppo_ext.batching import BatchPlan
+from trl_ppo_ext.models import sharding
 
 pytestmark = pytest.mark.slow  # subprocess runs
 
