@@ -149,3 +149,22 @@ def test_the_checks_catch_what_they_look_for():
     assert class_state_problems(clean) == [] and module_state_problems(clean) == []
     assert CONFTEST_IMPORT.search("x = 1\n    from conftest import tiny_config\n")
     assert CONFTEST_IMPORT.search("import conftest\n") and not CONFTEST_IMPORT.search("# see conftest's fixtures\n")
+
+
+def test_the_test_folders_mirror_the_package_folders():
+    """A newcomer finds a module's tests where the module is: ``tests/<folder>/`` holds the tests of
+    ``trl_ppo_ext/<folder>/`` (``tests/rewards/test_remote.py`` tests ``rewards/remote.py``), the flat
+    modules' tests and the end-to-end runs sit in ``tests/`` itself, and no folder of tests is left
+    without its package folder."""
+    package = TESTS.parent / "trl_ppo_ext"
+    package_folders = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    test_folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in {"scripts", "__pycache__"}}
+    assert test_folders == package_folders
+    for folder in test_folders:
+        modules = {p.stem for p in (package / folder).glob("*.py")}
+        names = [p.stem[len("test_"):] for p in (TESTS / folder).glob("test_*.py")]
+        assert names, folder
+        # each file is named for a module of its folder, or (generation/) for the vLLM engines and
+        # the generation layer as a whole
+        strays = [n for n in names if not any(n == m or n.startswith(m + "_") for m in modules | {"generation", "vllm"})]
+        assert strays == [], f"tests/{folder}: {strays} name no module of trl_ppo_ext/{folder}/"

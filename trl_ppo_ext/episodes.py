@@ -1,4 +1,4 @@
-"""Episodes with turns: TRL 1.16 GRPO's ``rollout_func`` output, checked and padded (issue 31).
+"""Episodes with turns: TRL 1.16 GRPO's ``rollout_func`` output, checked and padded.
 
 A user who owns generation (a multi-turn loop, an agent server) returns one dict per rollout
 batch; `rollout_outputs` checks it and `pad_episodes` turns it into the (B, T) tensors a PPO

@@ -1,4 +1,4 @@
-"""Exact-resume scenario, one process per call (see tests/test_run_control.py).
+"""Exact-resume scenario, one process per call (see tests/test_trainer_run_control.py).
 
     ppo_resume.py OUT straight         6 updates in one go
     ppo_resume.py OUT killed           checkpoints every update, SIGKILLs itself during update 4
@@ -6,7 +6,7 @@
                                        its first optimizer step): checkpoints there and exits 0
     ppo_resume.py OUT resume           resumes from the latest checkpoint in OUT, to update 6
     ... --use_vllm                     the same with rollouts sampled by a colocated vLLM engine
-                                       (head_dim 64 models; tests/test_vllm_trainer.py)
+                                       (head_dim 64 models; tests/generation/test_vllm_trainer.py)
 
 Writes OUT/final_params.pt (trainable parameters) and OUT/logs.json (logged metrics).
 """

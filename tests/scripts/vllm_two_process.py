@@ -1,5 +1,5 @@
 """Two colocated vLLM engines, one per process, the way TRL GRPO runs them (vLLM's external
-launcher): meant for ``torchrun --nproc_per_node 2`` on the CPU (see tests/test_vllm_colocate.py).
+launcher): meant for ``torchrun --nproc_per_node 2`` on the CPU (see tests/generation/test_vllm_colocate.py).
 
 Each rank builds its engine from the same in-memory tiny policy, samples with its own seed,
 pushes a changed policy and checks the engine's log-probs against a transformers forward of it,

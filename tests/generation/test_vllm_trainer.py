@@ -27,7 +27,7 @@ if vllm_installed():
                        "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         os.environ.setdefault(key, value)
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from tiny_setup import VLLM_SHAPES, VllmTrainer, prompt_dataset, tiny_config, tiny_models  # noqa: E402
 
@@ -122,7 +122,7 @@ def test_responses_the_engine_ends_for_length_are_truncated_at_what_it_sampled(t
 
 
 def _run(out, mode):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.run([sys.executable, str(SCRIPTS / "ppo_resume.py"), str(out), mode, "--use_vllm"],
                           env=env, capture_output=True, text=True, timeout=900)
 
@@ -151,7 +151,7 @@ def test_the_verifiable_example_runs_with_use_vllm(tmp_path):
     """`examples/ppo_verifiable.py --use_vllm`, reduced: the demo model gets head_dim 32, the
     summary records use_vllm, and every update's sampler mismatch stays below the bound (the
     learning figures, with and without vLLM, are in the README)."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     out = tmp_path / "verifiable"
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     args = ["--num_values", "8", "--num_sft_pairs", "16", "--num_held_out_pairs", "8", "--max_ppo_pairs", "32",
@@ -181,7 +181,7 @@ def test_two_processes_each_sample_with_their_own_engine(tmp_path):
            "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPTS / "vllm_ppo_two_process.py"),
            str(tmp_path)]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(SCRIPTS)])}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(SCRIPTS)])}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -1,7 +1,7 @@
 """The server engine's client side against a local fake vLLM server on 127.0.0.1: the requests it
 sends (one per prompt, each with its own seed from the caller's RNG, pure sampling, ids in and
 out), how it reads the answers, and its timeout and error paths (bounded retries, the URL named).
-A real ``trl vllm-serve`` needs vLLM; tests/test_vllm_server.py runs one where it can."""
+A real ``trl vllm-serve`` needs vLLM; tests/generation/test_vllm_server.py runs one where it can."""
 
 import json
 import socket

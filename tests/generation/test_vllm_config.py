@@ -1,7 +1,7 @@
 """PPOConfig's vLLM fields (TRL GRPO's, from ``generation.arguments.VLLMArguments``): parsed from a
 command line, checked at construction before anything of a run exists, and the transformers path
 untouched when ``use_vllm`` is False. Runs in every environment (the vLLM training tests are
-tests/test_vllm_trainer.py)."""
+tests/generation/test_vllm_trainer.py)."""
 
 import dataclasses
 import sys
@@ -15,7 +15,7 @@ from trl_ppo_ext import PPOConfig
 from trl_ppo_ext.generation.arguments import VLLMArguments, vllm_installed
 from trl_ppo_ext.generation.base import EngineSamples, GenerationEngine
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tiny_setup import tiny_config  # noqa: E402
 
 

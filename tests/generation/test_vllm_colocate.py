@@ -326,9 +326,9 @@ def test_lora_policy_is_sampled_as_transformers_and_peft_compute_it(request, ver
 def test_two_processes_each_run_their_own_engine(tmp_path):
     """torchrun, 2 CPU processes: one engine each through vLLM's external launcher; each samples
     with its own seeds, syncs a changed policy, and leaves the trainer's process group working."""
-    script = Path(__file__).parent / "scripts" / "vllm_two_process.py"
+    script = Path(__file__).parents[1] / "scripts" / "vllm_two_process.py"
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script),
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
