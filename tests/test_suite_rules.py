@@ -166,5 +166,6 @@ def test_the_test_folders_mirror_the_package_folders():
         assert names, folder
         # each file is named for a module of its folder, or (generation/) for the vLLM engines and
         # the generation layer as a whole
-        strays = [n for n in names if not any(n == m or n.startswith(m + "_") for m in modules | {"generation", "vllm"})]
+        named = modules | {"generation", "vllm"}
+        strays = [n for n in names if not any(n == m or n.startswith(m + "_") for m in named)]
         assert strays == [], f"tests/{folder}: {strays} name no module of trl_ppo_ext/{folder}/"

@@ -1075,7 +1075,7 @@ def masked_explained_variance(
 # --------------------------------------------------------------------------- episodes with turns
 # A completion may hold tokens the policy did not sample (a tool result, an environment reply,
 # template glue). ``action_mask`` (B, T) bool, inside ``response_mask``, is True where the policy
-# sampled the token (SPEC "Episodes with turns"; issue 31).
+# sampled the token (SPEC "Episodes with turns").
 
 
 def _check_action_mask(response_mask: torch.Tensor, action_mask: torch.Tensor) -> None:
@@ -1125,7 +1125,7 @@ def check_rewards_on_actions(
     """Refuse a non-zero reward on a response token the policy did not sample.
 
     `action_masked_gae` never reads a reward at such a position, so one placed there would be
-    dropped silently; this check makes it an error instead (issue 31). Padding (outside
+    dropped silently; this check makes it an error instead. Padding (outside
     ``response_mask``) is not checked: nothing there is ever read. NaN counts as non-zero.
 
     Args:
