@@ -560,9 +560,7 @@ def available_contenders() -> tuple[tuple[str, ...], str | None]:
 
     if _compat.trl_has_ppo():
         return DEFAULT_CONTENDERS, None
-    why = (f"upstream TRL left out: trl=={_compat.installed_trl_version()} has no PPO trainer (TRL "
-           f"{_compat.TRL_WITHOUT_PPO} removed it); install trl<{_compat.TRL_WITHOUT_PPO} to compare with it. "
-           "Ratios below are to 'ours, separate'.")
+    why = f"upstream TRL left out; ratios below are to 'ours, separate'. {_compat.trl_ppo_hint()}"
     return tuple(c for c in DEFAULT_CONTENDERS if c != "upstream"), why
 
 
