@@ -157,7 +157,8 @@ def test_the_verifiable_example_runs_with_use_vllm(tmp_path):
     args = ["--num_values", "8", "--num_sft_pairs", "16", "--num_held_out_pairs", "8", "--max_ppo_pairs", "32",
             "--sft_steps", "5", "--total_episodes", "32", "--per_device_train_batch_size", "8",
             "--gradient_accumulation_steps", "2", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
-            "--num_train_pairs_evaluated", "8", "--output_dir", str(out), "--use_vllm"]
+            "--num_train_pairs_evaluated", "8", "--output_dir", str(out), "--use_vllm",
+            "--logging_steps", "1"]  # every update's mismatch (the example logs every 4)
     proc = subprocess.run([sys.executable, str(root / "examples" / "ppo_verifiable.py"), *args], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
