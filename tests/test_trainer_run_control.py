@@ -331,6 +331,16 @@ def test_a_halt_is_announced_once(make_run, capsys, caplog):
     assert said.count("PPO run halted by guard") == 1
 
 
+def test_the_update_a_guard_halts_at_is_logged_whatever_logging_steps(make_run):
+    """logging_steps=10 logs update 10, 20, ... and the last; a run a guard stops at update 1 still
+    logs that update, marked guard/halted, so the figures that stopped it are in log_history."""
+    trainer = make_run(cls=NaNScores, total_episodes=16, nonfinite_halt_after=1, logging_steps=10)
+    trainer.train()
+    assert trainer.state.halted_by == "nonfinite" and trainer.state.global_step == 1
+    (log,) = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert log["guard/halted"] == 1.0 and log["guard/nonfinite"] >= 1
+
+
 def test_eval_kl_uses_the_configured_estimator(make_run, make_prompts):
     """eval/kl is the mean over held-out prompts of sum_t k3(t) with k3 = exp(logr) - 1 - logr,
     logr = log pi_ref - log pi, computed here from the same samples (same seed)."""

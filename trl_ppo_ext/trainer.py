@@ -486,6 +486,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             for warning in decision.warnings if self.accelerator.is_main_process else ():  # same on every process
                 logger.warning(warning)
         metrics.update({k: float(v) for k, v in decision.figures.items()})  # keys are "guard/<name>"
+        if decision.halt:
+            metrics["guard/halted"] = 1.0  # the update a guard stopped the run at is logged, whatever logging_steps
         metrics["objective/kl_coef"] = self.kl_controller.value
         if not (all_skipped or warming):  # the policy did not move: the KL seen says nothing about the coefficient
             self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
@@ -950,8 +952,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
         now, self._last_update_time = time.time(), time.time()
-        held_out = any(key.startswith("eval/") for key in metrics)  # an evaluation is never dropped
-        if held_out or log_due(self.state.global_step, self.state.max_steps, self.state.logging_steps,
+        # an evaluation, and the update a guard halted at, are never dropped
+        kept = "guard/halted" in metrics or any(key.startswith("eval/") for key in metrics)
+        if kept or log_due(self.state.global_step, self.state.max_steps, self.state.logging_steps,
                                self.args.logging_first_step):
             self.log(metrics)
             if self.is_world_process_zero():
