@@ -349,11 +349,14 @@ def check_prompt_dataset(train_dataset, processing_class) -> None:
         )
 
 
-def check_prompt_lengths(dataset, name: str, max_positions: int | None, response_length: int) -> None:
+def check_prompt_lengths(dataset, name: str, max_positions: int | None, response_length: int) -> list[int] | None:
     """Every prompt of ``dataset`` non-empty and short enough to leave ``response_length`` of the
     model's ``max_positions`` (None: no limit) to the response (:func:`too_long_prompts`). A
     dataset without an ``input_ids`` column (a torch ``Dataset``) is checked batch by batch
     during the rollout instead.
+
+    Returns:
+        the prompts' token counts (read once, for further checks), None without ``input_ids``.
 
     Raises:
         ValueError: naming ``name``, how many prompts break the rule and how to filter them.
@@ -361,6 +364,7 @@ def check_prompt_lengths(dataset, name: str, max_positions: int | None, response
     Example:
         >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]})
         >>> check_prompt_lengths(ds, "train_dataset", max_positions=8, response_length=5)  # 3 <= 8 - 5
+        [3, 1]
         >>> try:
         ...     check_prompt_lengths(ds, "train_dataset", max_positions=8, response_length=6)
         ... except ValueError as err:
@@ -369,7 +373,7 @@ def check_prompt_lengths(dataset, name: str, max_positions: int | None, response
     """
     columns = getattr(dataset, "column_names", None)
     if columns is None or "input_ids" not in columns:
-        return
+        return None
     lengths = [len(ids) for ids in dataset["input_ids"]]
     empty = [n == 0 for n in lengths]
     if any(empty):
@@ -378,7 +382,7 @@ def check_prompt_lengths(dataset, name: str, max_positions: int | None, response
             "`dataset.filter(lambda x: len(x['input_ids']) > 0)` or `trl_ppo_ext.data.render_prompts`."
         )
     if max_positions is None:
-        return
+        return lengths
     limit = max_positions - response_length
     too_long = sum(too_long_prompts(lengths, empty, limit))
     if too_long:
@@ -389,3 +393,4 @@ def check_prompt_lengths(dataset, name: str, max_positions: int | None, response
             "`trl_ppo_ext.data.render_prompts(..., response_length=..., max_length=...)` drops them), or lower "
             "response_length."
         )
+    return lengths

@@ -208,9 +208,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         max_positions = getattr(wrapper.config, "max_position_embeddings", None)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if dataset is not None:
-                check_prompt_lengths(dataset, name, max_positions, args.response_length)
-                if "input_ids" in (getattr(dataset, "column_names", None) or ()):  # the engine's context too
-                    check_engine_context(args, [len(ids) for ids in dataset["input_ids"]], name)
+                lengths = check_prompt_lengths(dataset, name, max_positions, args.response_length)
+                if lengths is not None:  # the engine's context too, on the lengths read once
+                    check_engine_context(args, lengths, name)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
         self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
@@ -951,7 +951,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         metrics["episode"] = self.state.episode
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
-        now, self._last_update_time = time.time(), time.time()
+        now = self._last_update_time = time.time()
         # an evaluation, and the update a guard halted at, are never dropped
         kept = "guard/halted" in metrics or any(key.startswith("eval/") for key in metrics)
         if kept or log_due(self.state.global_step, self.state.max_steps, self.state.logging_steps,
