@@ -177,3 +177,42 @@ def test_pad_episodes_with_no_logprobs_and_pad_equal_to_a_token():
     assert response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert torch.equal(action_mask, response_mask)
     assert sampler_logprobs.isnan().all()
+
+
+# ---------------------------------------------------------------- what the trainer builds from them
+from trl_ppo_ext.episodes import continuation_rows, episode_has_stop, padded_prompts, turn_statistics  # noqa: E402
+
+
+def test_padded_prompts_left_pads_each_row():
+    queries, mask = padded_prompts([[4], [5, 6, 7], [8, 9]], pad_token_id=1)
+    assert queries.tolist() == [[1, 1, 4], [5, 6, 7], [1, 8, 9]]
+    assert mask.tolist() == [[False, False, True], [True, True, True], [False, True, True]]
+
+
+def test_has_stop_reads_the_last_policy_token_not_the_last_token():
+    # row 0 ends its last turn with the stop id 3, then environment tokens; row 1's last action is not a
+    # stop (cut by the budget) although a stop id sits on an earlier action and on an environment token
+    ids = torch.tensor([[4, 3, 8, 8, 0], [3, 4, 3, 4, 0]])
+    act = torch.tensor([[True, True, False, False, False], [True, False, False, True, False]])
+    assert episode_has_stop(ids, act, (3,)).tolist() == [True, False]
+    assert episode_has_stop(ids, act, ()).tolist() == [False, False]
+    assert episode_has_stop(ids, act, (9, 4)).tolist() == [False, True]
+
+
+def test_turn_statistics_by_hand():
+    # a1 a2 | o1 | b1 | o2 o3 (ends on the environment), a1 a2 a3 (single turn), then a padded row
+    resp = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    act = torch.tensor([[1, 1, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)
+    stats = turn_statistics(resp, act)
+    assert stats["turns"].tolist() == [2.0, 1.0, 2.0]
+    assert stats["env_token_frac"].tolist() == pytest.approx([3 / 6, 0.0, 2 / 4])
+    assert stats["ends_on_env"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_continuation_rows_cut_each_row_to_its_budget_and_its_stop():
+    responses = torch.tensor([[5, 6, 7, 3], [8, 3, 0, 0], [9, 9, 9, 9]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    logprobs = torch.arange(12, dtype=torch.float32).reshape(3, 4) / -4
+    ids, lps = continuation_rows(responses, mask, logprobs, [4, 4, 2])
+    assert ids == [[5, 6, 7, 3], [8, 3], [9, 9]]
+    assert lps == [[0.0, -0.25, -0.5, -0.75], [-1.0, -1.25], [-2.0, -2.25]]

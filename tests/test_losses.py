@@ -106,3 +106,44 @@ def test_pg_weights_per_sequence_broadcast_and_scale_the_gradient():
     # only row 1's token is unclipped: d/d logp of -(w * r * A) / 3 = -3 * 1 * 2 / 3 = -2; clipped tokens: 0
     torch.testing.assert_close(new.grad, torch.tensor([[0.0, 0.0, 0.0], [-2.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
     assert advantages.tolist() == [[1.0, -1.0, 5.0], [2.0, 5.0, 5.0]]  # the caller's tensor is unchanged
+
+
+# ---------------------------------------------------------------- episodes with turns: the loss over actions
+def _episode_loss(logits, new_values, old_logprobs, old_values, advantages, returns, action_mask, **kw):
+    logits = logits.clone().requires_grad_(True)
+    new_values = new_values.clone().requires_grad_(True)
+    tokens = torch.zeros(action_mask.shape, dtype=torch.long)
+    new_logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    loss, stats = ppo_loss(new_logprobs, logits, new_values, old_logprobs=old_logprobs, old_values=old_values,
+                           advantages=advantages, returns=returns, response_mask=action_mask, cliprange=0.2,
+                           cliprange_value=0.2, vf_coef=0.5, entropy_coef=0.01, **kw)
+    loss.backward()
+    return loss.detach(), logits.grad, new_values.grad, stats
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_garbage_at_environment_positions_changes_no_loss_and_no_gradient(loss_type):
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 3, 7, 5
+    act = torch.tensor([[1, 1, 0, 0, 0, 1, 1], [1, 0, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    logits, new_values = torch.randn(B, T, V, generator=g), torch.randn(B, T, generator=g)
+    old_logprobs, old_values = -torch.rand(B, T, generator=g), torch.randn(B, T, generator=g)
+    advantages, returns = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    kw = {} if loss_type == "dapo" else dict(num_sequences=torch.tensor([3.0]), max_completion_length=T)
+    clean = _episode_loss(logits, new_values, old_logprobs, old_values, advantages, returns, act,
+                          loss_type=loss_type, **kw)
+    env = ~act
+    dirty = _episode_loss(
+        torch.where(env[..., None], 1e4 * torch.randn(B, T, V, generator=g), logits),
+        torch.where(env, torch.full((B, T), 3e3), new_values),
+        torch.where(env, torch.full((B, T), -50.0), old_logprobs),
+        torch.where(env, torch.full((B, T), float("nan")), old_values),
+        torch.where(env, torch.full((B, T), float("inf")), advantages),
+        torch.where(env, torch.full((B, T), float("-inf")), returns), act, loss_type=loss_type, **kw)
+    assert torch.equal(clean[0], dirty[0])
+    assert torch.equal(clean[1][act], dirty[1][act]) and torch.equal(clean[2][act], dirty[2][act])
+    # no gradient at all reaches an environment position, clean or dirty
+    for grads in (clean, dirty):
+        assert torch.count_nonzero(grads[1][env]) == 0 and torch.count_nonzero(grads[2][env]) == 0
+    for name in ("pg_loss", "vf_loss", "entropy", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio_mean"):
+        assert torch.equal(clean[3][name], dirty[3][name]), name

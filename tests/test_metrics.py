@@ -139,7 +139,8 @@ def test_sampling_metrics_by_hand_over_two_processes():
     # token_truncate weights exp(0.5) = 1.6487, exp(0) = 1 -> min 1, mean 1.3244, max 1.6487
     rollout = SimpleNamespace(logprobs=torch.tensor([[-1.0, -2.0, -3.0]]),
                               engine_logprobs=torch.tensor([[-1.5, -2.0, -9.0]]),
-                              response_mask=torch.tensor([[True, True, False]]))
+                              response_mask=torch.tensor([[True, True, False]]),
+                              loss_mask=torch.tensor([[True, True, False]]))
     # the other process's difference mean, max, missing engine log-probs, then the weights' min, mean, max
     other = torch.tensor([[0.75, 0.9, 2.0, 0.2, 1.0, 2.5]])
     metrics = sampling_metrics(rollout, gather=lambda t: torch.cat([t, other]), device="cpu", correction=True,
@@ -193,3 +194,45 @@ def test_completions_table_gathers_every_column_and_fills_missing_extras_with_no
     assert df["verdict"].isna().tolist() == [True, False] and df["verdict"][1] == "ok"  # None: pandas' missing
     first = completions_table([{"id": 6}, {"id": 7}], sample, score, tok, logs, gather=gather, first_only=True)
     assert first["query"].tolist() == ["w0"]
+
+
+def test_sampling_metrics_count_only_the_policys_tokens_of_an_episode():
+    # a1 | o1 | b1: the environment token has no engine log-prob (NaN) and a trainer log-prob that would
+    # dominate the difference; neither counts, and it is not a missing engine log-prob
+    from trl_ppo_ext.rollout import Rollout
+
+    act = torch.tensor([[True, False, True]])
+    rollout = Rollout(queries=torch.ones(1, 1, dtype=torch.long), query_mask=torch.ones(1, 1, dtype=torch.bool),
+                      responses=torch.ones(1, 3, dtype=torch.long), response_mask=torch.ones(1, 3, dtype=torch.bool),
+                      action_mask=act, has_stop=torch.tensor([True]), logprobs=torch.tensor([[-1.0, -8.0, -2.0]]),
+                      engine_logprobs=torch.tensor([[-1.25, float("nan"), -2.0]]), ref_logprobs=torch.zeros(1, 3),
+                      values=torch.zeros(1, 3), scores=torch.zeros(1))
+    metrics = sampling_metrics(rollout, gather=lambda t: t, device="cpu", correction=False)
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(0.25)
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(0.125)
+    assert metrics["sampling/missing_engine_logprobs"] == 0.0
+
+
+def test_update_statistics_of_an_episode_count_model_tokens_and_turns():
+    from trl_ppo_ext.advantages import compute_targets
+    from trl_ppo_ext.metrics import update_statistics
+    from trl_ppo_ext.rollout import Rollout
+
+    # row 0: a a | o o | a (2 turns, 3 model tokens of 5); row 1: a a a | o o (1 turn, ends on the environment)
+    act = torch.tensor([[True, True, False, False, True], [True, True, True, False, False]])
+    rollout = Rollout(queries=torch.ones(2, 1, dtype=torch.long), query_mask=torch.ones(2, 1, dtype=torch.bool),
+                      responses=torch.ones(2, 5, dtype=torch.long), response_mask=torch.ones(2, 5, dtype=torch.bool),
+                      action_mask=act, has_stop=torch.tensor([True, False]),
+                      logprobs=torch.full((2, 5), -1.0), ref_logprobs=torch.full((2, 5), -1.0),
+                      values=torch.zeros(2, 5), scores=torch.tensor([1.0, 0.0]))
+    targets = compute_targets(rollout, kl_coef=0.1, kl_estimator="k1", missing_eos_penalty=None,
+                              whiten_rewards=False, whiten_advantages=False, gamma=1.0, lam=1.0)
+    one = torch.ones(1)
+    stats = {k: one for k in ("pg_loss", "vf_loss", "entropy", "approxkl", "pg_clipfrac", "vf_clipfrac",
+                              "ratio_mean")}
+    s = {k: float(v) for k, v in update_statistics(rollout, targets, stats).items()}
+    assert s["val/response_length"] == 3.0  # model tokens, TRL's completions/*_length rule
+    assert s["objective/entropy"] == 3.0  # -logprob summed over the model tokens
+    assert s["val/truncation_rate"] == 0.5  # row 1 fills the budget without a stop
+    assert s["rollout/turns_mean"] == 1.5 and s["rollout/env_token_frac"] == pytest.approx(0.4)  # 2 of 5 in each row
+    assert s["rollout/ends_on_env_frac"] == 0.5

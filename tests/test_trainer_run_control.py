@@ -171,11 +171,11 @@ def test_save_total_limit_keeps_the_pre_ppo_checkpoint(tmp_path, make_run):
     assert names == ["checkpoint-0", "checkpoint-6"], "a resumed run rotated the pre-PPO checkpoint away"
 
 
-def _run(out, mode):
+def _run(out, mode, *flags):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), mode], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run([sys.executable, str(SCRIPT), str(out), mode, *flags], capture_output=True, text=True,
+                          env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +206,20 @@ def test_sigkill_during_update_4_then_resume_matches_a_straight_run(tmp_path, st
     resumed = _run(tmp_path, "resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     _assert_resume_matches(straight_run, tmp_path)
+
+
+@pytest.mark.slow
+def test_episodes_of_a_rollout_func_resume_exactly_after_sigkill(tmp_path):
+    # the rollout_func's environment replies and the policy's turns draw from the run's RNG
+    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+    straight = _run(straight_dir, "straight", "--episodes")
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    killed = _run(killed_dir, "killed", "--episodes")
+    assert killed.returncode == -9, killed.stderr[-4000:]
+    resumed = _run(killed_dir, "resume", "--episodes")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    _assert_resume_matches(straight_dir, killed_dir)
+    assert all("rollout/turns_mean" in log for log in json.loads((killed_dir / "logs_resume.json").read_text()))
 
 
 @pytest.mark.slow

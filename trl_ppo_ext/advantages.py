@@ -1,8 +1,9 @@
 """What the PPO update trains toward: :class:`PPOTargets`, computed from a scored ``Rollout``
 by the pure :func:`compute_targets` (no trainer, no model, no optimizer).
 
-The steps, all over ``response_mask`` only (``(B, T)`` bool, True = a response token that
-counts):
+The steps, all over the rollout's ``loss_mask`` only (``(B, T)`` bool: ``response_mask``, the
+response tokens that count, or in an episode with turns its ``action_mask``, the tokens the
+policy sampled; environment tokens carry no reward, no KL and no GAE step):
 
 1. ``scores`` ``(B,)``: the rollout's reward, minus ``missing_eos_penalty`` for every response
    that did not end with a stop token (TRL's rule);
@@ -12,7 +13,8 @@ counts):
    token (``functional.shaped_rewards``), plus the rollout's ``token_rewards`` when it has
    them (0 off the mask; ``missing_eos_penalty`` stays on the score), optionally whitened
    keeping the mean;
-4. GAE advantages and returns (``functional.masked_gae_decoupled``): the advantages with
+4. GAE advantages and returns (``functional.masked_gae_decoupled``, or over the action tokens
+   ``functional.action_masked_gae_decoupled``): the advantages with
    ``lam`` (or VAPO's per-sequence ``length_adaptive_lam`` when ``lam_length_alpha`` is set),
    the returns with ``value_lam`` (None: the advantages' lambda); the advantages optionally
    whitened over the whole batch (every process).
@@ -48,8 +50,8 @@ from .rollout import Rollout
 class PPOTargets:
     """What the update trains toward, derived from a ``Rollout`` by :func:`compute_targets`:
     the scores and shaped per-token rewards, and from them the advantages (policy) and returns
-    (value). All ``(B, T)`` float32 unless noted; every field is 0 where ``response_mask`` is
-    False."""
+    (value). All ``(B, T)`` float32 unless noted; every field is 0 where the rollout's
+    ``loss_mask`` is False."""
 
     scores: torch.Tensor  # (B,) RM score after the missing-stop-token penalty
     kl: torch.Tensor  # per-token KL estimate (the configured estimator)
@@ -99,8 +101,9 @@ def compute_targets(
 
     Args:
         rollout: reads ``scores`` ``(B,)``, ``has_stop`` ``(B,)`` bool, ``logprobs``,
-            ``ref_logprobs``, ``values`` ``(B, T)``, ``response_mask`` ``(B, T)`` bool and
-            ``token_rewards`` ``(B, T)`` or None.
+            ``ref_logprobs``, ``values`` ``(B, T)``, ``response_mask`` ``(B, T)`` bool,
+            ``action_mask`` ``(B, T)`` bool or None and ``token_rewards`` ``(B, T)`` or None
+            (a non-zero one on an environment token raises ``ValueError``).
         kl_coef: the KL coefficient of this update (the KL controller's current value).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see ``functional.kl_penalty``).
         missing_eos_penalty: subtracted from the score of every response without a stop
@@ -108,26 +111,32 @@ def compute_targets(
         whiten_rewards, whiten_advantages, gamma, lam: as in ``PPOConfig``.
         value_lam: the returns' lambda (decoupled GAE); None: the advantages' lambda.
         lam_length_alpha: when set, the advantages' lambda is
-            ``functional.length_adaptive_lam(response_mask, lam_length_alpha)``, one per
+            ``functional.length_adaptive_lam(loss_mask, lam_length_alpha)``, one per
             sequence, instead of ``lam``; ``value_lam=None`` then follows it too.
 
     The rollout is not modified.
     """
-    mask = rollout.response_mask
+    mask = rollout.loss_mask  # the policy's own tokens: response_mask unless the episode has turns
     scores = rollout.scores
     if missing_eos_penalty is not None:
         scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
     kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, kl_estimator).masked_fill(~mask, 0.0)
-    rewards, non_score = F.shaped_rewards(
+    rewards, non_score = F.shaped_rewards(  # the score on the last token of `mask`: the last action
         rollout.logprobs, rollout.ref_logprobs, scores, mask, kl_coef, kl_estimator, kl=kl
     )
     if rollout.token_rewards is not None:  # per-token (process) rewards on the tokens they name
+        if rollout.action_mask is not None:  # one on an environment token is refused, never dropped
+            F.check_rewards_on_actions(rollout.token_rewards, rollout.response_mask, rollout.action_mask)
         rewards = rewards + rollout.token_rewards.masked_fill(~mask, 0.0)
     if whiten_rewards:
         rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
     if lam_length_alpha is not None:
-        lam = F.length_adaptive_lam(mask, lam_length_alpha, rewards.dtype)  # (B,)
-    advantages, returns = F.masked_gae_decoupled(rewards, rollout.values, mask, gamma, lam, value_lam)
+        lam = F.length_adaptive_lam(mask, lam_length_alpha, rewards.dtype)  # (B,), over the action tokens
+    if rollout.action_mask is None:
+        advantages, returns = F.masked_gae_decoupled(rewards, rollout.values, mask, gamma, lam, value_lam)
+    else:  # environment tokens are not steps: GAE over each row's action tokens
+        advantages, returns = F.action_masked_gae_decoupled(
+            rewards, rollout.values, rollout.response_mask, mask, gamma, lam, value_lam)
     raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
     if whiten_advantages:
         advantages = F.masked_global_whiten(advantages, mask)

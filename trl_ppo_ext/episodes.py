@@ -51,7 +51,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["REQUIRED_KEYS", "RolloutOutputs", "rollout_outputs", "pad_episodes"]
+__all__ = [
+    "REQUIRED_KEYS", "RolloutOutputs", "rollout_outputs", "pad_episodes", "padded_prompts", "episode_has_stop",
+    "turn_statistics", "continuation_rows",
+]
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")  # what TRL's rollout_func must return
 _MASK_KEY = "env_mask"
@@ -226,3 +229,108 @@ def pad_episodes(
     # TRL writes 0.0 at tool tokens (G:2156): not a log-prob, so it must not look like one
     sampler_logprobs = torch.where(action_mask, sampler_logprobs, math.nan)
     return ids, response_mask, action_mask, sampler_logprobs
+
+
+def padded_prompts(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(queries (B, P) int64, query_mask (B, P) bool)``: B token-id lists left padded with
+    ``pad_token_id`` to the longest (``P``), as the trainer's prompts are.
+
+    Example:
+        >>> padded_prompts([[5, 6], [7]], pad_token_id=0)
+        (tensor([[5, 6],
+                [0, 7]]), tensor([[ True,  True],
+                [False,  True]]))
+    """
+    width = max(len(row) for row in prompt_ids)
+    queries = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), width, dtype=torch.bool)
+    for b, row in enumerate(prompt_ids):
+        if row:
+            queries[b, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[b, width - len(row):] = True
+    return queries, mask
+
+
+def _last_true(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` long: the position of each row's last True of a (B, T) bool mask, -1 for none."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask, positions, -1).amax(dim=1)
+
+
+def episode_has_stop(completion_ids: torch.Tensor, action_mask: torch.Tensor, stop_ids: tuple) -> torch.Tensor:
+    """``(B,)`` bool: the episode's last policy token is a stop token (its last turn ended, rather
+    than being cut by the length budget) -- what ``has_stop`` means for a single-turn response,
+    whose last token is its last action. Environment tokens after it do not change the answer.
+
+    Args:
+        completion_ids: (B, T) int64. action_mask: (B, T) bool, at least one True per row.
+        stop_ids: the ids that end a turn; empty: no episode counts as stopped.
+
+    Example:
+        >>> ids = torch.tensor([[4, 3, 9, 9], [4, 4, 3, 8]])
+        >>> act = torch.tensor([[True, True, False, False], [True, True, False, True]])
+        >>> episode_has_stop(ids, act, (3,))
+        tensor([ True, False])
+    """
+    if not stop_ids:
+        return torch.zeros(completion_ids.shape[0], dtype=torch.bool, device=completion_ids.device)
+    last = _last_true(action_mask).clamp(min=0)
+    final = completion_ids.gather(1, last[:, None])[:, 0]
+    stops = torch.tensor(list(stop_ids), dtype=completion_ids.dtype, device=completion_ids.device)
+    return torch.isin(final, stops) & action_mask.any(dim=1)
+
+
+def turn_statistics(response_mask: torch.Tensor, action_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-episode turn figures, each ``(B,)`` float32.
+
+    ``turns``: the runs of consecutive action tokens (policy turns); ``env_token_frac``: the
+    share of the episode's response tokens that the policy did not sample (0 for an empty
+    row); ``ends_on_env``: 1 where the last response token is not an action (the episode ended
+    on a tool's or environment's reply).
+
+    Args:
+        response_mask: (B, T) bool, the real response tokens (a prefix of each row).
+        action_mask: (B, T) bool, inside ``response_mask``.
+
+    Example:
+        >>> resp = torch.tensor([[True] * 7, [True, True, False, False, False, False, False]])
+        >>> act = torch.tensor([[True, True, False, False, True, False, False], [True, True] + [False] * 5])
+        >>> {k: v.tolist() for k, v in turn_statistics(resp, act).items()}
+        {'turns': [2.0, 1.0], 'env_token_frac': [0.5714285969734192, 0.0], 'ends_on_env': [1.0, 0.0]}
+    """
+    starts = action_mask.clone()
+    starts[:, 1:] &= ~action_mask[:, :-1]
+    lengths = response_mask.sum(dim=1)
+    environment = (response_mask & ~action_mask).sum(dim=1)
+    last = (lengths - 1).clamp(min=0)
+    ends_on_env = (lengths > 0) & ~action_mask.gather(1, last[:, None])[:, 0]
+    return {
+        "turns": starts.sum(dim=1).float(),
+        "env_token_frac": environment.float() / lengths.clamp(min=1).float(),
+        "ends_on_env": ends_on_env.float(),
+    }
+
+
+def continuation_rows(responses: torch.Tensor, response_mask: torch.Tensor, logprobs: torch.Tensor,
+                      budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Sampled continuations as lists, each cut to its row's budget.
+
+    Args:
+        responses: (B, T) int64 sampled ids; response_mask: (B, T) bool, a prefix per row (up to
+            and including the stop token); logprobs: (B, T) float, the sampler's log-prob of each id.
+        budgets: B ints, the most new tokens row b may keep (<= T).
+
+    Returns:
+        ``(ids, logprobs)``: B lists each, ``min(valid length, budget)`` entries per row.
+
+    Example:
+        >>> ids, lps = continuation_rows(torch.tensor([[5, 6, 3], [7, 3, 0]]),
+        ...                              torch.tensor([[True, True, True], [True, True, False]]),
+        ...                              torch.tensor([[-0.5, -1.0, -0.25], [-2.0, -0.5, 0.0]]), [2, 3])
+        >>> ids, lps
+        ([[5, 6], [7, 3]], [[-0.5, -1.0], [-2.0, -0.5]])
+    """
+    lengths = response_mask.sum(dim=1).tolist()
+    ids_rows, logprob_rows = responses.tolist(), logprobs.float().tolist()
+    keep = [min(int(n), int(budget)) for n, budget in zip(lengths, budgets)]
+    return ([row[:n] for row, n in zip(ids_rows, keep)], [row[:n] for row, n in zip(logprob_rows, keep)])

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from . import functional as F
+from .episodes import turn_statistics
 from .rollout import Rollout, SampledBatch, valid_token_ids
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -43,15 +44,29 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
     ``1 + cliprange_high``) and ``policy/clipfrac_dual_avg``, TRL GRPO's ``clip_ratio/low_mean``
     and ``clip_ratio/high_mean``). ``val/ratio_max`` is not here: it is a maximum, not a mean
     (see :func:`update_metrics`).
+
+    Token statistics count the policy's own tokens (``rollout.loss_mask``; TRL GRPO's rule for
+    ``completions/*_length`` in a tool episode): ``val/response_length`` is the model tokens per
+    episode. An episode with turns (``rollout.action_mask`` set) adds ``rollout/turns_mean`` (policy
+    turns per episode), ``rollout/env_token_frac`` (the share of response tokens the policy did not
+    sample) and ``rollout/ends_on_env_frac`` (episodes whose last token is an environment's).
     """
-    mask = rollout.response_mask
+    mask = rollout.loss_mask
     lengths = mask.sum(1).float()
+    full_lengths = rollout.response_mask.sum(1)
     by_side = {f"policy/clipfrac_{side}_avg": stats[f"pg_clipfrac_{side}"].mean()
                for side in ("lower", "upper", "dual") if f"pg_clipfrac_{side}" in stats}
     per_token = {} if rollout.token_rewards is None else {
         "objective/token_rewards": rollout.token_rewards.masked_fill(~mask, 0.0).sum(1).mean()}
+    turns = {}
+    if rollout.action_mask is not None:
+        figures = turn_statistics(rollout.response_mask, rollout.action_mask)
+        turns = {"rollout/turns_mean": figures["turns"].mean(),
+                 "rollout/env_token_frac": figures["env_token_frac"].mean(),
+                 "rollout/ends_on_env_frac": figures["ends_on_env"].mean()}
     return {
         **per_token,
+        **turns,
         "objective/scores": targets.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
         "objective/scores_before_penalty": rollout.scores.mean(),
         "objective/non_score_reward": targets.non_score_rewards.sum(1).mean(),
@@ -75,7 +90,7 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
         # TRL's key: EOS tokens generated on one process. Each response is cut at its first stop
         # token, so that is the count of responses that stopped (averaged over processes below)
         "val/num_eos_tokens": rollout.has_stop.float().sum(),
-        "val/truncation_rate": (~rollout.has_stop & (lengths == mask.shape[1])).float().mean(),
+        "val/truncation_rate": (~rollout.has_stop & (full_lengths == mask.shape[1])).float().mean(),
         "policy/grad_norm": stats["grad_norm"].mean() if "grad_norm" in stats else torch.tensor(float("nan")),
     }
 
@@ -105,12 +120,13 @@ def sampling_metrics(rollout: Rollout, *, gather: Gather, device: torch.device |
     ``sampling/importance_sampling_ratio/min|mean|max`` (``generation.mismatch.sampling_correction``
     on this process's rollout), combined over processes as mean of the means, max of the maxima,
     min of the minima (one gather); ``sampling/missing_engine_logprobs``, the response tokens
-    without an engine log-prob, summed over the processes."""
+    without an engine log-prob, summed over the processes. Only the policy's own tokens
+    (``rollout.loss_mask``) count: an environment token has no sampler log-prob."""
     from .generation.mismatch import MISSING_LOGPROBS_KEY, sampling_correction
 
     if rollout.engine_logprobs is None:
         return {}
-    _, stats = sampling_correction(rollout.logprobs, rollout.engine_logprobs, rollout.response_mask,
+    _, stats = sampling_correction(rollout.logprobs, rollout.engine_logprobs, rollout.loss_mask,
                                    correction=correction, mode=mode, clip_min=clip_min, clip_max=clip_max)
     names = list(stats)
     values = gather(torch.stack([stats[k].float().to(device) for k in names])[None]).reshape(-1, len(names))
@@ -149,7 +165,8 @@ def reward_statistics(
 
 def evaluation_row(rollout: Rollout, rewards: Sequence, kl_estimator: str) -> dict[str, torch.Tensor]:
     """The held-out statistics of one batch, ``(B,)`` per name: ``eval/rm_score``,
-    ``eval/response_length``, ``eval/kl`` (``kl_estimator`` summed over each response) and,
+    ``eval/response_length``, ``eval/kl`` (``kl_estimator`` summed over each response; both over
+    the policy's own tokens, ``rollout.loss_mask``) and,
     when the rollout keeps per-reward columns, ``eval/<reward name>`` for each reward (NaN
     where it does not apply; a lone reward model is ``eval/rm_score`` already).
 
@@ -157,9 +174,9 @@ def evaluation_row(rollout: Rollout, rewards: Sequence, kl_estimator: str) -> di
     """
     row = {
         "eval/rm_score": rollout.scores,
-        "eval/response_length": rollout.response_mask.sum(1),
+        "eval/response_length": rollout.loss_mask.sum(1),
         "eval/kl": F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, kl_estimator)
-        .masked_fill(~rollout.response_mask, 0.0).sum(1),
+        .masked_fill(~rollout.loss_mask, 0.0).sum(1),
     }
     for k, reward in enumerate(rewards if rollout.reward_values is not None else []):
         if len(rewards) > 1 or not reward.is_model:

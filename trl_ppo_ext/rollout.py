@@ -57,10 +57,21 @@ class SampledBatch:
     # False, NaN where the engine gave none; None when transformers' generate sampled the batch
     engine_logprobs: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)  # other dataset columns, name -> list of B values
+    # (B, T) bool, inside response_mask: True where the policy sampled the token; False on tokens that
+    # came from elsewhere (a tool's or an environment's reply, template glue) in an episode with turns
+    # (``rollout_func``'s ``env_mask``). None: every response token is the policy's (single turn)
+    action_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.responses.shape[0]
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``(B, T)`` bool: the tokens the update trains on and the statistics count, the policy's
+        own (``action_mask``), or every response token (``response_mask``) when it has none.
+        Attention still covers every real token (``response_mask``)."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
     @property
     def valid_responses(self) -> torch.Tensor:
@@ -199,8 +210,8 @@ def valid_token_ids(sample: SampledBatch) -> tuple[list[list[int]], list[list[in
 # trimmed_to_extent / the scatter of ScoringChunks.merge. Per-sequence ((B,), (B, F)) and
 # scalar fields are never cut.
 TOKEN_FIELDS = frozenset({
-    "responses", "response_mask", "engine_logprobs", "logprobs", "ref_logprobs", "values", "token_rewards",
-    "kl", "non_score_rewards", "rewards", "advantages", "returns",
+    "responses", "response_mask", "action_mask", "engine_logprobs", "logprobs", "ref_logprobs", "values",
+    "token_rewards", "kl", "non_score_rewards", "rewards", "advantages", "returns",
 })
 PROMPT_FIELDS = frozenset({"queries", "query_mask"})
 

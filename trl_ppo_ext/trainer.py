@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -59,6 +60,7 @@ from .distributed import (
     prepare_frozen_model,
     process_state,
 )
+from .episodes import continuation_rows, episode_has_stop, pad_episodes, padded_prompts, rollout_outputs
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
 from .generation.mismatch import sampling_weights
@@ -148,7 +150,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ``eval_dataset``, ``optimizers``, ``callbacks``, ``peft_config``. Keyword-only:
     ``reward_funcs`` (TRL GRPO's reward functions/models), ``reward_processing_classes`` (GRPO's
     meaning: one tokenizer or None per reward model, ``reward_model`` first; a model of another
-    vocabulary scores its own rendering of the text, see ``reward_text``), ``eval_metrics``.
+    vocabulary scores its own rendering of the text, see ``reward_text``), ``eval_metrics``,
+    ``rollout_func`` (TRL GRPO's: ``rollout_func(prompts, trainer) -> dict`` owns generation,
+    e.g. an episode with turns; see :meth:`generate_episodes` and :meth:`generate_continuations`).
     """
 
     _tag_names = ["trl", "ppo", "trl-ppo-ext"]
@@ -174,6 +178,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         eval_metrics: dict | None = None,
         reward_funcs=None,
         reward_processing_classes=None,
+        rollout_func=None,
     ) -> None:
         # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
         args = as_ppo_config(args if args is not None else inputs.default_args(model))
@@ -182,6 +187,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                                               train_dataset, eval_dataset, value_model, peft_config)
         self.args = args
         self.processing_class = processing_class
+        if rollout_func is not None and not callable(rollout_func):
+            raise TypeError(f"rollout_func must be callable as rollout_func(prompts, trainer), got "
+                            f"{type(rollout_func).__name__}")
+        self.rollout_func = rollout_func
+        self._generating_policy = None  # the policy a rollout_func's generate_continuations samples with
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
         check_prompt_dataset(train_dataset, processing_class)
         assembly.check_separate_reference(model, ref_model)
@@ -590,8 +600,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         training never samples at: the config refuses it), where vLLM's log-probs are wrong and
         transformers' ``generate`` samples instead."""
         args, tok = self.args, self.processing_class
-        queries, query_mask = self._prompt_tensors(batch)
         temperature = args.temperature if temperature is None else temperature
+        if self.rollout_func is not None:
+            return self.generate_episodes(batch, temperature)
+        queries, query_mask = self._prompt_tensors(batch)
         with unwrap_model_for_generation(
             self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as unwrapped:
@@ -616,23 +628,129 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             extras={k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS},
         )
 
-    def sample_with_engine(self, policy, queries, query_mask, temperature: float):
+    def sample_with_engine(self, policy, queries, query_mask, temperature: float, max_tokens: int | None = None):
         """``(responses (B, T), engine_logprobs (B, T), sampled (B, T) bool)`` from the vLLM engine
         (``generation.sample_responses``; ``sampled``: the positions it produced a token at): the policy's
         weights are pushed first when an update changed them (once per version, none during a
         critic warm-up, which leaves the policy as it was; under ZeRO-3
         inside the caller's gather), request seeds come from the run's global RNG (which
-        checkpoints save: a resumed run samples what the unbroken one did)."""
+        checkpoints save: a resumed run samples what the unbroken one did). ``max_tokens``: the most
+        new tokens per row (default ``response_length``, the width of the result)."""
         if self.engine is None:  # closed by an earlier train()
             self.engine = self._build_engine()
         self.engine.load_policy(policy, self._policy_version)
-        settings = SamplingSettings(max_tokens=self.args.response_length,
+        settings = SamplingSettings(max_tokens=self.args.response_length if max_tokens is None else max_tokens,
                                     temperature=effective_temperature(temperature),
                                     stop_token_ids=tuple(self.stop_token_ids))
         try:
             return sample_responses(self.engine, queries, query_mask, settings, self.processing_class.pad_token_id)
         finally:
             self.engine.sleep()  # sleep mode (CUDA): the engine's memory is free while the model trains
+
+    @torch.no_grad()
+    def generate_episodes(self, batch, temperature: float) -> SampledBatch:
+        """A rollout batch from the user's ``rollout_func`` (TRL 1.16 GRPO's contract): called as
+        ``rollout_func(prompts, trainer)`` with a copy of the batch's ``prompt`` column (text or
+        messages) or, without one, its decoded prompts. Its result is checked
+        (``episodes.rollout_outputs``: errors name the key and row) and padded
+        (``episodes.pad_episodes``): its ``prompt_ids`` are the queries, ``completion_ids`` the
+        responses, ``env_mask`` the ``action_mask`` (the tokens the update trains on), and every
+        other key a column the reward functions receive. Inside the call
+        :meth:`generate_continuations` samples with the current policy on the run's engine.
+
+        The sampler's ``logprobs`` are kept as the engine's (importance weights, ``sampling/*``)
+        when ``use_vllm`` is on, as TRL GRPO uses them; old log-probs, reference log-probs and
+        values come from the trainer's own forwards over the whole sequence, so the first ratio
+        is exactly 1 on the action tokens."""
+        args, tok = self.args, self.processing_class
+        extras = {k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS}
+        prompts = extras.get("prompt")
+        if prompts is None:
+            queries, query_mask = self._prompt_tensors(batch)
+            prompts = tok.batch_decode([q[m].tolist() for q, m in zip(queries, query_mask)], skip_special_tokens=True)
+        self._episode_temperature = temperature
+        with unwrap_model_for_generation(
+            self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
+        ) as unwrapped:
+            self._generating_policy = unwrapped.policy
+            try:
+                output = self.rollout_func(copy.deepcopy(prompts), self)
+            finally:
+                self._generating_policy = None
+        outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length)
+        responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
+        queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
+        device = self.accelerator.device
+        responses, response_mask, action_mask = responses.to(device), response_mask.to(device), action_mask.to(device)
+        engine_logprobs = None
+        if args.use_vllm:  # NaN where there is none (environment tokens count as none, and are never read)
+            engine_logprobs = sampler_logprobs.to(device).masked_fill(~response_mask, 0.0)
+        return SampledBatch(
+            queries=queries.to(device), query_mask=query_mask.to(device), responses=responses,
+            response_mask=response_mask, action_mask=action_mask,
+            has_stop=episode_has_stop(responses, action_mask, self.stop_token_ids),
+            policy_version=self.state.global_step, engine_logprobs=engine_logprobs,
+            extras={**extras, **outputs.extra},
+        )
+
+    @torch.no_grad()
+    def generate_continuations(self, prefixes: list[list[int]], max_new_tokens: int | list[int],
+                               temperature: float | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Continue token-id prefixes with the current policy, for a ``rollout_func``'s turns.
+
+        Samples on the run's engine (the vLLM engine with ``use_vllm``, else transformers'
+        ``generate``), at ``temperature`` (default: the rollout's, ``args.temperature`` in
+        training), drawing from the run's RNG (a resumed run samples what the unbroken one did).
+
+        Args:
+            prefixes: B token-id lists (each a whole conversation so far: prompt, earlier turns,
+                environment replies), none empty.
+            max_new_tokens: the most new tokens, one for all rows or one per row (>= 1 each).
+
+        Returns:
+            ``(ids, logprobs)``: per row the new ids, ending with the first stop token when one
+            was sampled (it is kept), at most that row's ``max_new_tokens``; and the sampler's
+            log-prob of each new id at the sampling temperature (the policy's own when
+            ``generate`` sampled).
+        """
+        args, tok = self.args, self.processing_class
+        budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if not prefixes or len(budgets) != len(prefixes) or min(budgets) < 1 or any(not p for p in prefixes):
+            raise ValueError(
+                f"generate_continuations needs non-empty prefixes and one max_new_tokens >= 1 per prefix; got "
+                f"{len(prefixes)} prefixes (lengths {[len(p) for p in prefixes]}) and max_new_tokens={max_new_tokens}"
+            )
+        if temperature is None:
+            temperature = getattr(self, "_episode_temperature", None) or args.temperature
+        if self._generating_policy is None:  # called outside a rollout: gather/unwrap the policy here
+            with unwrap_model_for_generation(
+                self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
+            ) as unwrapped:
+                self._generating_policy = unwrapped.policy
+                try:
+                    return self.generate_continuations(prefixes, budgets, temperature)
+                finally:
+                    self._generating_policy = None
+        policy, width = self._generating_policy, max(budgets)
+        queries, query_mask = (t.to(self.accelerator.device) for t in padded_prompts(prefixes, tok.pad_token_id))
+        sampled = None
+        if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
+            raw, logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature, width)
+        else:
+            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
+            config = sampling_config(width, self.stop_token_ids, pad_id, temperature)
+            with self.accelerator.autocast():
+                raw = generate_responses(policy, queries, query_mask, config, width, tok.pad_token_id,
+                                         args.local_rollout_forward_batch_size)
+            logprobs = None
+        responses, mask, _ = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
+        if logprobs is None:  # generate's sampler is the policy itself: its log-probs at the temperature
+            part = SampledBatch(queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
+                                has_stop=mask[:, -1])
+            inputs = sequence_inputs(queries, query_mask, responses, mask)
+            logprobs = reference_response_logprobs(policy, part, inputs, effective_temperature(temperature),
+                                                   self.accelerator.autocast)
+        return continuation_rows(responses, mask, logprobs, budgets)
 
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
@@ -689,7 +807,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """
         return rewards_per_token(self.rewards, functools.partial(self._model_reward_scores, sample, chunks),
                                  lambda: self.reward_function_kwargs(sample), sample.response_mask,
-                                 self.state.global_step + 1)
+                                 self.state.global_step + 1, sample.action_mask)
 
     def _model_reward_scores(self, sample: SampledBatch, chunks: list | None, reward, function_kwargs) -> torch.Tensor:
         """Raw scores ``(B,)`` of one reward model on ``sample``: at the last valid token chunk by
@@ -803,7 +921,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         # the same number by `distributed.configure_deepspeed`) divides each backward by the
         # accumulation steps, and DDP (ZeRO's reduce) averages over processes; both are undone
         # so the sums below add up to the mini-batch token mean.
-        counts = torch.stack([rollout.response_mask[mini].sum().float(),
+        counts = torch.stack([rollout.loss_mask[mini].sum().float(),
                               torch.tensor(float(mini.numel()), device=rollout.response_mask.device)])
         if accelerator.num_processes > 1:
             counts = accelerator.reduce(counts, reduction="sum")
@@ -879,7 +997,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         num_sequences: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO loss on one micro-batch: clipped surrogate + vf_coef * clipped value loss
-        - entropy_coef * entropy, every term over ``response_mask`` only.
+        - entropy_coef * entropy, every term over the rollout's ``loss_mask`` only (the policy's
+        own tokens: ``response_mask``, or ``action_mask`` in an episode with turns).
 
         ``num_tokens``: the valid-token count the token sums are divided by (the whole
         mini-batch's over every process, see ``functional.masked_token_mean``); None: this
@@ -894,7 +1013,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         weights = None if mb.engine_logprobs is None else self.sampling_weights(mb)  # sampled by vLLM
         return ppo_loss(
             new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
-            advantages=adv.advantages, returns=adv.returns, response_mask=mb.response_mask, num_tokens=num_tokens,
+            advantages=adv.advantages, returns=adv.returns, response_mask=mb.loss_mask, num_tokens=num_tokens,
             pg_weights=weights, num_sequences=num_sequences, max_completion_length=self.args.response_length,
             **loss_settings(self.args),
         )
@@ -904,7 +1023,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         (``vllm_importance_sampling_correction``; ``(b, T)`` token modes, ``(b, 1)`` sequence
         modes), or None. Each row's weight depends on that row alone, so cutting the rollout
         into micro-batches gives the weights of the whole rollout."""
-        return sampling_weights(mb.logprobs, mb.engine_logprobs, mb.response_mask, self.args)
+        return sampling_weights(mb.logprobs, mb.engine_logprobs, mb.loss_mask, self.args)
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -29,7 +29,14 @@ if vllm_installed():
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from tiny_setup import VLLM_SHAPES, VllmTrainer, prompt_dataset, tiny_config, tiny_models  # noqa: E402
+from tiny_setup import (  # noqa: E402
+    VLLM_SHAPES,
+    VllmTrainer,
+    prompt_dataset,
+    tiny_config,
+    tiny_models,
+    two_turn_rollout,
+)
 
 LOGP_BOUND = 1e-3  # the bound for fp32
 
@@ -79,6 +86,24 @@ def test_shared_lora_actor_critic_trains_with_vllm(tmp_path):
     assert trainer.engine.sync_mode == "merged" and trainer.engine.adapter == ac.policy_adapter
     diffs = _check_run(trainer, updates=3)
     print("shared LoRA actor-critic, logp difference max per update:", diffs)
+
+
+def test_episodes_of_a_rollout_func_sample_their_turns_on_the_engine(tmp_path):
+    # generate_continuations samples each turn on the vLLM engine: the engine's log-probs on the
+    # policy's tokens agree with the trainer's forward; the environment's tokens have none and count nowhere
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    policy, ref, value, reward = tiny_models(tok, **VLLM_SHAPES)
+    args = tiny_config(tmp_path, use_vllm=True, total_episodes=12, temperature=1.0)
+    trainer = VllmTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                          train_dataset=prompt_dataset(tok, n=12), value_model=value,
+                          rollout_func=two_turn_rollout(tok))
+    samples = []
+    engine_generate = trainer.engine.generate
+    trainer.engine.generate = lambda *a, **k: samples.append(1) or engine_generate(*a, **k)
+    _check_run(trainer, updates=3)
+    assert len(samples) == 2 * 3  # two turns per rollout, every one on the engine
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert all(h["sampling/missing_engine_logprobs"] == 0 and 0 < h["rollout/env_token_frac"] < 1 for h in logs)
 
 
 def test_an_engine_context_shorter_than_prompt_plus_response_is_refused_at_construction(tmp_path):

@@ -250,3 +250,20 @@ def test_a_trainer_run_with_a_reward_function_returning_pairs(make_trainer, tok)
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     # every completion: 0.5 + 2.0 weighted by 2 (a one-token completion gets both on token 0)
     assert len(logs) == 2 and all(h["objective/token_rewards"] == pytest.approx(5.0) for h in logs)
+
+
+def test_token_rewards_of_an_episode_place_numbers_on_the_last_action_and_refuse_environment_tokens():
+    from trl_ppo_ext.rewards.scoring import token_rewards as place
+
+    resp = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])
+    act = torch.tensor([[True, False, True, False, False], [True, True, False, False, False]])
+    # a number -> the last action token (index 2 in row 0, 1 in row 1), not the last response token
+    rewards, applies = place([1.5, 2.0], resp, "outcome", act)
+    assert rewards.tolist() == [[0, 0, 1.5, 0, 0], [0, 2.0, 0, 0, 0]] and applies.tolist() == [True, True]
+    # pairs index every response token (completion_ids' indices); actions are fine
+    rewards, _ = place([[(0, 0.5), (2, 0.25)], None], resp, "steps", act)
+    assert rewards.tolist() == [[0.5, 0, 0.25, 0, 0], [0, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match=r"reward 'steps' is 0\.5 at row 1, index 2"):
+        place([None, [(2, 0.5)]], resp, "steps", act)
+    with pytest.raises(ValueError, match=r"reward 'dense' is 0\.75 at row 0, index 3"):
+        place([[0.0, 0.0, 0.0, 0.75], [0.0, 0.0, 0.0]], resp, "dense", act)

@@ -7,6 +7,8 @@
     ppo_resume.py OUT resume           resumes from the latest checkpoint in OUT, to update 6
     ... --use_vllm                     the same with rollouts sampled by a colocated vLLM engine
                                        (head_dim 64 models; tests/generation/test_vllm_trainer.py)
+    ... --episodes                     the same with episodes of a rollout_func whose environment
+                                       replies draw from the run's RNG
 
 Writes OUT/final_params.pt (trainable parameters) and OUT/logs.json (logged metrics).
 """
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tiny_setup import VLLM_SHAPES, prompt_dataset, tiny_config, tiny_models  # beside this file
+from tiny_setup import VLLM_SHAPES, prompt_dataset, tiny_config, tiny_models, two_turn_rollout  # beside this file
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
@@ -57,8 +59,10 @@ if __name__ == "__main__":
     if use_vllm:  # small engines: eager, a 64 MiB KV cache
         cls = type(cls.__name__, (cls,), {"vllm_engine_kwargs": {"enforce_eager": True,
                                                                  "kv_cache_memory_bytes": 64 << 20}})
+    episodes = "--episodes" in sys.argv[3:]
     trainer = cls(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                  train_dataset=prompt_dataset(tok, n=10), value_model=value)
+                  train_dataset=prompt_dataset(tok, n=10), value_model=value,
+                  rollout_func=two_turn_rollout(tok) if episodes else None)
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     params = {k: v.detach() for k, v in trainer.unwrapped.named_parameters() if v.requires_grad}
     torch.save(params, out / f"final_params_{mode}.pt")

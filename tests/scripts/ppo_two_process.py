@@ -17,6 +17,7 @@ from tiny_setup import (  # beside this file
     run_and_exit,
     tiny_config,
     tiny_models,
+    two_turn_rollout,
 )
 
 from trl_ppo_ext import PPOTrainer
@@ -64,6 +65,8 @@ def main() -> None:
         peft_config=lora if peft else None,
         eval_metrics={"prompt_words": lambda prompts, completions: [len(p.split()) for p in prompts]},
         reward_funcs=[reporter] if with_eval else None,
+        # episodes: a rollout_func with environment replies on each process (GAE over the action tokens)
+        rollout_func=two_turn_rollout(tok) if mode == "episodes" else None,
     )
     steps = record_optimizer_steps(trainer)
     micro_counts = []

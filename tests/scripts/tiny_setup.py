@@ -109,6 +109,36 @@ def run_and_exit(main) -> None:
     os._exit(code)
 
 
+def two_turn_rollout(tokenizer, first_turn=2, reply_length=2, reply_words=10):
+    """A ``rollout_func`` for tests: the policy answers (at most ``first_turn`` tokens), the
+    environment replies with ``reply_length`` words drawn from torch's global RNG (the run's, so
+    a resumed run must restore it), the policy answers again within what is left of
+    ``response_length``. Returns TRL's keys, ``env_mask`` and a ``reply`` column (the words)."""
+    import torch
+
+    from trl_ppo_ext.tiny import default_words
+
+    word_ids = tokenizer.convert_tokens_to_ids(default_words()[:reply_words])
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        first, first_lp = trainer.generate_continuations(prompt_ids, first_turn)
+        picks = torch.randint(0, len(word_ids), (len(prompts), reply_length)).tolist()
+        replies = [[word_ids[k] for k in row] for row in picks]
+        left = [trainer.args.response_length - len(a) - reply_length for a in first]
+        second, second_lp = trainer.generate_continuations(
+            [p + a + r for p, a, r in zip(prompt_ids, first, replies)], left)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [a + r + b for a, r, b in zip(first, replies, second)],
+            "logprobs": [la + [0.0] * reply_length + lb for la, lb in zip(first_lp, second_lp)],
+            "env_mask": [[1] * len(a) + [0] * reply_length + [1] * len(b) for a, b in zip(first, second)],
+            "reply": [tokenizer.decode(r) for r in replies],
+        }
+
+    return rollout_func
+
+
 # Shapes vLLM's CPU attention accepts (head_dim 64, not the default 16), for the use_vllm tests.
 VLLM_SHAPES = {"hidden_size": 128, "num_heads": 2, "max_position_embeddings": 64}
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .. import functional as F
+
 # `trl_ppo_ext.remote_reward` is the public path; the client lives in its own module
 from .remote import RemoteReward, RemoteRewardError, remote_reward
 
@@ -314,13 +316,14 @@ def is_token_level(output) -> bool:
     return isinstance(output, (list, tuple)) or (isinstance(output, torch.Tensor) and output.dim() == 1)
 
 
-def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "reward") -> tuple[
-        torch.Tensor, torch.Tensor]:
+def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "reward",
+                  action_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One reward's per-completion outputs placed on the response tokens.
 
     Each completion's output is one of:
 
-    - a number: a sequence reward, placed on the last valid token (as the trainer places scores);
+    - a number: a sequence reward, placed on the last valid token (as the trainer places scores;
+      in an episode with turns the last action token);
     - a list of ``(token_index, reward)`` pairs: each reward on the ``token_index``-th valid token
       of the completion (0 = the first response token, as in ``completion_ids``); rewards named
       for the same token add up;
@@ -331,13 +334,18 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
         outputs: ``B`` outputs, one per completion.
         response_mask: bool ``(B, T)``, True = the token counts (the valid tokens of a row, in order).
         name: the reward's name, for errors.
+        action_mask: bool ``(B, T)`` inside ``response_mask``, the tokens the policy sampled in an
+            episode with turns (None: all of them). Indices still count every response token (as
+            ``completion_ids`` does); a non-zero reward on a token outside ``action_mask`` is an
+            error (``functional.check_rewards_on_actions``): GAE never reads one there.
     Returns:
         ``(rewards (B, T) float32 on response_mask's device, applies (B,) bool)``; ``rewards`` is 0
         wherever ``response_mask`` is False. A row with no valid token gets nothing (as
         ``functional.shaped_rewards``).
     Raises:
         ValueError naming the reward, the completion and the index when an index lies outside the
-        completion's valid tokens, a dense list has the wrong length, or an entry is not a number.
+        completion's valid tokens, a dense list has the wrong length, an entry is not a number, or
+        a non-zero reward lands on an environment token.
 
     Equivalent naive loop (``cols[b]`` = positions of row ``b``'s valid tokens)::
 
@@ -355,17 +363,22 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
     if len(outputs) != response_mask.shape[0]:
         raise ValueError(f"Reward {name!r} returned {len(outputs)} outputs for {response_mask.shape[0]} completions.")
     cols = [torch.nonzero(m).flatten().tolist() for m in response_mask.cpu()]  # valid positions per row
+    last_action = None if action_mask is None else [  # where a number goes: the row's last action token
+        (torch.nonzero(m).flatten().tolist() or [None])[-1] for m in action_mask.cpu()]
     rows, places, values = [], [], []
     for b, out in enumerate(outputs):
         for k, value in _token_entries(name, b, out, len(cols[b])):
             rows.append(b)
-            places.append(cols[b][k])
+            sequence_reward = not is_token_level(out)
+            places.append(last_action[b] if sequence_reward and last_action is not None else cols[b][k])
             values.append(value)
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
     if rows:
         rewards.index_put_((torch.tensor(rows), torch.tensor(places)), torch.tensor(values, dtype=torch.float32),
                            accumulate=True)
     applies = torch.tensor([out is not None for out in outputs], dtype=torch.bool)
+    if action_mask is not None:
+        F.check_rewards_on_actions(rewards, response_mask.cpu(), action_mask.cpu(), name)
     return rewards.to(response_mask.device), applies.to(response_mask.device)
 
 
@@ -404,7 +417,7 @@ def _number(name: str, b: int, value) -> float:
 
 def evaluate_rewards_per_token(
     rewards: Sequence[Reward], model_scores: Callable[[Reward], torch.Tensor], function_kwargs: Callable[[], dict],
-    response_mask: torch.Tensor, update: int,
+    response_mask: torch.Tensor, update: int, action_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`evaluate_rewards` where a reward function may also return per-token rewards.
 
@@ -415,7 +428,8 @@ def evaluate_rewards_per_token(
     of ``values`` is each completion's sum over tokens (NaN where it returned None), for metrics.
 
     Args:
-        response_mask: bool ``(B, T)``. Others as :func:`evaluate_rewards`.
+        response_mask: bool ``(B, T)``. action_mask: bool ``(B, T)`` or None, as
+            :func:`token_rewards`. Others as :func:`evaluate_rewards`.
     Returns:
         ``(scores (B,), values (B, F), applies (B, F), token_rewards (B, T) float32 or None)``;
         ``token_rewards`` is None when no function returned a token-level output, else
@@ -423,11 +437,11 @@ def evaluate_rewards_per_token(
         to add to the shaped rewards.
     """
     return _evaluate(rewards, model_scores, function_kwargs, response_mask.shape[0], update, response_mask.device,
-                     response_mask)
+                     response_mask, action_mask)
 
 
 def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: int, device,
-              response_mask: torch.Tensor | None = None):
+              response_mask: torch.Tensor | None = None, action_mask: torch.Tensor | None = None):
     """Both evaluations in one place; ``response_mask`` None: no token-level output is allowed
     (:func:`check_outputs` refuses it), so every function goes to ``scores`` as it always did."""
     values: list = [None] * len(rewards)  # (B,) float32 per reward
@@ -444,7 +458,7 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
                                  token_level=response_mask is not None)
         for k, out in zip(functions, outputs):
             if any(is_token_level(o) for o in out):
-                placed, applies[k] = token_rewards(out, response_mask, rewards[k].name)
+                placed, applies[k] = token_rewards(out, response_mask, rewards[k].name, action_mask)
                 values[k] = torch.where(applies[k], placed.sum(1), math.nan)
                 part = torch.where(applies[k][:, None], rewards[k].weight * placed, 0.0)
                 total = part if total is None else total + part
@@ -586,6 +600,7 @@ def check_reward_heads(rewards: Sequence[Reward], reward_model=None) -> None:
 def rewards_per_token(
     rewards: Sequence[Reward], model_scores: Callable[[Reward, Callable[[], dict]], torch.Tensor],
     function_kwargs: Callable[[], dict], response_mask: torch.Tensor, update: int,
+    action_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A sampled batch's rewards as the trainer scores them: :func:`evaluate_rewards_per_token`
     with the reward functions' keyword arguments built once (``function_kwargs`` is called at
@@ -605,7 +620,7 @@ def rewards_per_token(
     """
     kwargs = functools.cache(function_kwargs)  # decoded once per batch, for the functions and any text RM
     scores, values, applies, token = evaluate_rewards_per_token(
-        rewards, lambda reward: model_scores(reward, kwargs), kwargs, response_mask, update)
+        rewards, lambda reward: model_scores(reward, kwargs), kwargs, response_mask, update, action_mask)
     if token is None and any(not r.is_model for r in rewards):
         token = torch.zeros(response_mask.shape, device=response_mask.device)
     return scores, values, applies, token
