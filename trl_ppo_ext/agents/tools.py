@@ -252,9 +252,9 @@ class ToolExecutor:
         if outcome.name not in self._warned:
             self._warned.add(outcome.name)
             warnings.warn(
-                f"Tool {outcome.name!r} returned a {type(value).__name__}, not a str: its result is stringified "
-                "with str() for the model (a text-only chat template renders other content as nothing). Return a "
-                "str to choose the text yourself. This warning is shown once per tool.",
+                f"Tool {outcome.name!r} returned a value of type {type(value).__name__}, not a str: its result is "
+                "stringified with str() for the model (a text-only chat template renders other content as "
+                "nothing). Return a str to choose the text yourself. This warning is shown once per tool.",
                 UserWarning,
                 stacklevel=3,
             )
