@@ -127,3 +127,45 @@ def random_word_prompts(tokenizer, n: int = 16, min_len: int = 2, max_len: int =
         length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
         rows.append(torch.randint(first_word_id, len(tokenizer), (length,), generator=g).tolist())
     return Dataset.from_dict({"input_ids": rows})
+
+
+# ---------------------------------------------------------------- a tokenizer for tool calls
+# Qwen3's added tokens, in Qwen3's order of kinds: the control tokens (special: stripped by
+# skip_special_tokens) and the tags its chat template writes around thoughts and tool calls
+# (plain added tokens, as in the real vocabulary: they survive decoding).
+CHAT_CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def build_tiny_chat_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with Qwen3's chat tokens and TRL's bundled Qwen3 chat template.
+
+    One token per byte (256 ids, a BPE without merges), so any text round-trips exactly:
+    tool-call JSON, newlines and all. Then ``CHAT_CONTROL_TOKENS`` (ids 256-258; ``<|im_end|>``
+    is the eos token, ``<|endoftext|>`` the pad token) and ``CHAT_TAG_TOKENS`` (259-264). The
+    template is ``trl/chat_templates/qwen3.jinja`` of the installed TRL (1.2 on), which TRL's
+    ``add_response_schema`` recognises; pass ``chat_template`` to carry another one.
+
+    >>> tok = build_tiny_chat_tokenizer()
+    >>> len(tok), tok.eos_token, tok.pad_token
+    (265, '<|im_end|>', '<|endoftext|>')
+    >>> tok.decode(tok("<tool_call>\\n{}").input_ids) == "<tool_call>\\n{}"
+    True
+    """
+    from importlib.resources import files
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AddedToken
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left")
+    tok.add_special_tokens({"additional_special_tokens": list(CHAT_CONTROL_TOKENS)})
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TAG_TOKENS])
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
+    if chat_template is None:
+        chat_template = (files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    tok.chat_template = chat_template
+    return tok
