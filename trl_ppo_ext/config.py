@@ -23,6 +23,7 @@ from typing import Literal
 
 from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
+from .agents.arguments import ToolArguments
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
@@ -44,7 +45,7 @@ def _bf16_available() -> bool:
 
 @refuse_foreign_names
 @dataclass
-class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields):
+class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArguments):
     r"""Configuration for [`trl_ppo_ext.PPOTrainer`]; every field of TRL's ``PPOConfig``, the
     guard-rail thresholds of [`trl_ppo_ext.run.guards.GuardSettings`] (``nonfinite_halt_after``,
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
@@ -280,6 +281,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields):
         if self.use_vllm:
             self._check_vllm_run()  # values the user must change come before the install hint below
         VLLMArguments.__post_init__(self)  # field checks; use_vllm without vLLM: ImportError naming the extra
+        ToolArguments.__post_init__(self)
 
     def _check_vllm_run(self) -> None:
         """What a vLLM run needs that its fields alone do not say; refused here, before anything

@@ -4,7 +4,9 @@
 - `environments`: ``environment_factory`` (probe, pool, ``reset(**row)``, ``get_reward`` rewards);
 - `tool_loop`: the batched multi-turn loop, token ids in and out, for any ``generate`` callable;
 - `support`: the construction-time check of TRL, transformers and the chat template;
-- `rollout_func`: all of it as one ``rollout_func`` (`AgentRollout`).
+- `rollout_func`: all of it as one ``rollout_func`` (`AgentRollout`);
+- `arguments`: the config fields (`ToolArguments`: ``max_tool_calling_iterations``,
+  ``chat_template_kwargs``, ``tool_timeout``), which ``PPOConfig`` inherits.
 
 The facts of TRL's contract, with file and line, are in ``../shared/notes/agentic-ppo.md``.
 
@@ -13,6 +15,7 @@ The facts of TRL's contract, with file and line, are in ``../shared/notes/agenti
 0.5
 """
 
+from .arguments import ToolArguments
 from .environments import EnvironmentBatch, Environments, environment_methods
 from .rollout_func import AgentRollout
 from .support import TOOLS_MIN_TRL, check_tool_support
@@ -20,7 +23,8 @@ from .tool_loop import ToolLoopResult, ToolLoopStats, run_tool_loop, tool_suffix
 from .tools import ToolExecutor, ToolResults, tool_dict
 
 __all__ = [
-    "AgentRollout", "EnvironmentBatch", "Environments", "TOOLS_MIN_TRL", "ToolExecutor", "ToolLoopResult",
-    "ToolLoopStats", "ToolResults", "check_tool_support", "environment_methods", "run_tool_loop", "tool_dict",
+    "AgentRollout", "EnvironmentBatch", "Environments", "TOOLS_MIN_TRL", "ToolArguments", "ToolExecutor",
+    "ToolLoopResult", "ToolLoopStats", "ToolResults", "check_tool_support", "environment_methods", "run_tool_loop",
+    "tool_dict",
     "tool_suffix_ids",
 ]

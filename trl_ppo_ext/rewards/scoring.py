@@ -92,8 +92,11 @@ def reward_name(source) -> str:
     return getattr(source, "__name__", None) or type(source).__name__
 
 
-def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | None) -> list[Reward]:
-    """``reward_model`` (first, if given) and ``reward_funcs`` (one or a list) as ``Reward``s.
+def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | None,
+                  environment_rewards: Sequence[Callable] = ()) -> list[Reward]:
+    """``reward_model`` (first, if given), ``reward_funcs`` (one or a list) and the environments'
+    ``get_reward`` functions (``environment_rewards``, last, weight 1 each: ``reward_weights``
+    counts the others only, TRL GRPO's rule) as ``Reward``s.
 
     Raises ``ValueError`` when there is no reward at all, when ``reward_weights`` does not have
     one weight per reward, or when an entry is neither a model nor a callable.
@@ -101,10 +104,11 @@ def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | 
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [
         reward_funcs]
     sources = ([reward_model] if reward_model is not None else []) + funcs
-    if not sources:
+    if not sources and not environment_rewards:
         raise ValueError(
             "No reward: pass `reward_model` (a sequence classifier with num_labels=1), `reward_funcs` (a callable "
-            "or a list of callables/models), or both."
+            "or a list of callables/models), or both; or an `environment_factory` whose environments define "
+            "`get_reward`."
         )
     for i, source in enumerate(funcs):
         if not isinstance(source, nn.Module) and not callable(source):
@@ -122,7 +126,10 @@ def build_rewards(reward_model, reward_funcs, reward_weights: Sequence[float] | 
         )
     else:
         weights = [float(w) for w in reward_weights]
-    return [Reward(name, source, weight) for name, source, weight in zip(_unique_names(sources), sources, weights)]
+    everything = sources + list(environment_rewards)
+    weights = weights + [1.0] * len(environment_rewards)
+    names = _unique_names(everything)
+    return [Reward(name, source, weight) for name, source, weight in zip(names, everything, weights)]
 
 
 def with_reward_tokenizers(rewards: Sequence[Reward], policy_tokenizer, reward_processing_classes=None) -> list[Reward]:
