@@ -9,10 +9,11 @@ prompt as ``<assistant>``.
 import logging
 
 import pytest
+import torch
 from datasets import Dataset
 from tokenizers import processors
 
-from trl_ppo_ext.data import RenderInfo, _template_ids, render_prompts
+from trl_ppo_ext.data import RenderInfo, _template_ids, render_prompts, repeat_prompts
 from trl_ppo_ext.tiny import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
 
 USER, ASSISTANT, EOS, BOS = 4, 5, 3, 2
@@ -247,3 +248,35 @@ def test_check_prompt_dataset_names_what_is_missing():
         check_prompt_dataset(Dataset.from_dict({"input_ids": []}), SimpleNamespace(pad_token_id=0))
     with pytest.raises(ValueError, match=r"`processing_class` \(SimpleNamespace\) has no pad token"):
         check_prompt_dataset(Dataset.from_dict({"input_ids": [[1]]}), SimpleNamespace(pad_token_id=None))
+
+
+# ---------------------------------------------------------------- repeat_prompts
+
+
+def test_repeat_prompts_keeps_the_copies_of_a_row_adjacent():
+    batch = {"input_ids": torch.tensor([[0, 5], [6, 7], [8, 9]]), "attention_mask": torch.tensor([[0, 1], [1, 1],
+             [1, 1]]), "answer": ["x", "y", "z"], "prompt": ("p", "q", "r")}
+    out = repeat_prompts(batch, 2)
+    assert out["input_ids"].tolist() == [[0, 5], [0, 5], [6, 7], [6, 7], [8, 9], [8, 9]]
+    assert out["attention_mask"].tolist() == [[0, 1], [0, 1], [1, 1], [1, 1], [1, 1], [1, 1]]
+    assert out["answer"] == ["x", "x", "y", "y", "z", "z"] and out["prompt"] == ["p", "p", "q", "q", "r", "r"]
+    # the rows of group b are row b: out[b*G + i] == batch[b] for every i (the estimators' grouping)
+    for b in range(3):
+        for i in range(2):
+            assert torch.equal(out["input_ids"][b * 2 + i], batch["input_ids"][b])
+    assert batch["answer"] == ["x", "y", "z"] and batch["input_ids"].shape == (3, 2)  # not modified
+
+
+def test_repeat_prompts_once_is_the_batch():
+    batch = {"input_ids": torch.tensor([[1], [2]]), "answer": ["a", "b"]}
+    out = repeat_prompts(batch, 1)
+    assert torch.equal(out["input_ids"], batch["input_ids"]) and out["answer"] == ["a", "b"]
+
+
+def test_repeat_prompts_refuses_what_it_cannot_repeat():
+    with pytest.raises(ValueError, match="num_generations must be an int >= 1, got 0"):
+        repeat_prompts({"input_ids": torch.zeros(2, 1)}, 0)
+    with pytest.raises(ValueError, match="different numbers of rows: {'input_ids': 2, 'answer': 3}"):
+        repeat_prompts({"input_ids": torch.zeros(2, 1), "answer": ["a", "b", "c"]}, 2)
+    with pytest.raises(TypeError, match="field 'step' is a int"):
+        repeat_prompts({"input_ids": torch.zeros(2, 1), "step": 3}, 2)

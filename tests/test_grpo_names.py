@@ -41,7 +41,7 @@ def test_aliases_parse_on_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("name, names_instead", [
-    ("beta", "kl_coef"), ("num_generations", "per_device_train_batch_size"), ("scale_rewards", "whiten_advantages"),
+    ("beta", "kl_coef"),
     ("log_completions", "num_sample_generations"), ("steps_per_generation", "num_mini_batches"),
     ("mask_truncated_completions", "missing_eos_penalty"), ("max_prompt_length", "render_prompts"),
 ])

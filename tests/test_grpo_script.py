@@ -3,8 +3,8 @@ by its folder (as a hub id would be), no tokenizer, a conversational ``prompt`` 
 dataset the trainer renders itself, two reward functions with ``reward_weights``, GRPO's
 ``max_completion_length``, ``max_steps`` and ``logging_steps``.
 
-GRPO's ``num_generations=4`` is left out: several samples per prompt are not in this trainer yet,
-and the name raises a TypeError saying so (tests/test_grpo_names.py)."""
+GRPO's ``num_generations`` (a ``PPOConfig`` field with GRPO's meaning, tests/test_config_estimators.py)
+is left at its default, 1: this script keeps PPO's critic (``advantage_estimator="gae"``)."""
 
 import pytest
 import torch

@@ -13,6 +13,7 @@ from trl_ppo_ext.inputs import (
     load_reward_models,
     model_init_kwargs,
     prompt_dataset,
+    value_model_or_default,
 )
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -125,6 +126,13 @@ def test_the_default_critic_is_the_policys_backbone_with_a_new_scalar_head(famil
 def test_no_backbone_to_copy_names_both_ways_out():
     with pytest.raises(ValueError, match="value_model=AutoModelForSequenceClassification.*peft_config=peft.LoraConfig"):
         default_value_model(torch.nn.Linear(2, 2))
+
+
+def test_no_default_critic_is_built_for_an_estimator_without_one():
+    tok = build_tiny_tokenizer()
+    policy = build_tiny_causal_lm(tok)
+    assert value_model_or_default(policy, None, None, with_value=False) is None
+    assert value_model_or_default(policy, None, None) is not None  # gae: the backbone copy
 
 
 def test_reward_model_ids_load_as_scalar_scorers(tmp_path):

@@ -450,3 +450,42 @@ def test_the_defaults_are_the_trainers_checkpointing_on(tmp_path, capsys):
                            ).gradient_checkpointing is False
     M.main(["--preset", "llama-7b", "--card", "24"])
     assert "checkpointing on" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- no critic
+
+def test_a_critic_free_shared_run_counts_no_value_head():
+    run = PPORun()
+    with_critic, without = estimate(SEVEN_B, run), estimate(SEVEN_B, replace(run, critic=False))
+    H, b, T = SEVEN_B.hidden_size, run.per_device_train_batch_size, run.response_length
+    # the value head Linear(H, 1): H + 1 parameters fewer
+    assert with_critic.trainable_parameters - without.trainable_parameters == H + 1
+    assert "weights: LoRA (fp32)" in without.phases["generation"]
+    assert not any("value" in name for phase in without.phases.values() for name in phase)
+    # update: no value head input kept for backward (b (T+1) H fp32)
+    assert forward_bytes(run) - forward_bytes(replace(run, critic=False)) == b * (T + 1) * H * 4
+
+
+def forward_bytes(run):
+    return M.forward_activation_bytes(SEVEN_B, run, run.per_device_train_batch_size)
+
+
+def test_a_critic_free_run_of_separate_models_has_no_value_model():
+    run = PPORun(shared=False, base_dtype="bf16")
+    with_critic, without = estimate(SEVEN_B, run), estimate(SEVEN_B, replace(run, critic=False))
+    assert with_critic.trainable_parameters - without.trainable_parameters == SEVEN_B.parameters("score")
+    assert without.phases["generation"]["weights: policy (fp32)"] == 4 * SEVEN_B.parameters("lm")
+    # the value model's whole forward is gone from the update, with its weights, gradients and moments
+    value_forward = M.forward_activation_bytes(SEVEN_B, run, run.per_device_train_batch_size, head="score")
+    assert with_critic.phases["update"]["activations"] == forward_bytes(run) + value_forward
+    assert without.phases["update"]["activations"] == forward_bytes(replace(run, critic=False))  # the policy's only
+    assert without.peak < with_critic.peak
+
+
+@pytest.mark.parametrize("estimator, critic", [("gae", True), ("grpo", False), ("rloo", False),
+                                               ("reinforce_pp", False), ("reinforce_pp_baseline", False)])
+def test_cli_advantage_estimator_sets_the_critic(estimator, critic, capsys):
+    assert M.run_from_args(M.parse_args(["--preset", "llama-7b", "--advantage-estimator", estimator])).critic is critic
+    M.main(["--preset", "llama-7b", "--four-models", "--base", "bf16", "--advantage-estimator", estimator])
+    out = capsys.readouterr().out
+    assert ("three models, no critic" in out) is not critic and ("value" in out) is critic

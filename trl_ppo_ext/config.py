@@ -24,6 +24,7 @@ from typing import Literal
 from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
 from .agents.arguments import ToolArguments
+from .estimators import CRITIC_FREE_ESTIMATORS, ESTIMATORS, GROUP_ESTIMATORS, resolve_scale_rewards
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
@@ -124,6 +125,25 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         critic_warmup_explained_variance (`float` or `None`, defaults to `None`):
             End the warm-up early, after the first update whose ``val/explained_variance``
             reaches this (<= 1). None: the warm-up takes ``critic_warmup_steps`` updates.
+        num_generations (`int`, defaults to `1`):
+            Completions sampled per prompt in each rollout batch (TRL GRPO's name). The copies
+            of a prompt sit on adjacent rows of one process, so group statistics need no
+            gather; the batch sizes (and ``total_episodes``) count completions, and the
+            per-process rollout batch ``per_device_train_batch_size *
+            gradient_accumulation_steps`` must be a multiple of it.
+        advantage_estimator (`str`, defaults to `"gae"`):
+            ``"gae"``: the critic's GAE (any ``num_generations``); ``"grpo"``: each sequence's
+            summed shaped reward minus its group's mean, divided by the std ``scale_rewards``
+            names; ``"rloo"``: minus the mean of the group's other samples (TRL RLOO);
+            ``"reinforce_pp"``: REINFORCE++, per-token discounted returns whitened over the
+            batch; ``"reinforce_pp_baseline"``: the group's mean score subtracted first. All but
+            ``"gae"`` train no critic (no value head, no value loss); ``"grpo"``, ``"rloo"`` and
+            ``"reinforce_pp_baseline"`` need ``num_generations >= 2``. See
+            ``trl_ppo_ext.estimators``.
+        scale_rewards (`str`, defaults to `"group"`):
+            TRL GRPO's values, read by ``advantage_estimator="grpo"`` only: ``"group"`` (or
+            True) divides by the group's std, ``"batch"`` by the whole batch's, ``"none"`` (or
+            False) not at all (Dr. GRPO); 1e-4 is added to the std, as in TRL.
     """
 
     entropy_coef: float = field(
@@ -262,6 +282,25 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             "this (<= 1). None: the warm-up takes critic_warmup_steps updates."},
     )
 
+    num_generations: int = field(
+        default=1,
+        metadata={"help": "Completions sampled per prompt in each rollout batch (TRL GRPO's name), on adjacent rows "
+            "of one process. Batch sizes and total_episodes count completions; per_device_train_batch_size * "
+            "gradient_accumulation_steps must be a multiple of it. 1: each prompt sampled once."},
+    )
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = field(
+        default="gae",
+        metadata={"help": "'gae' (the critic, default), 'grpo' (score minus group mean, over the std scale_rewards "
+            "names), 'rloo' (leave-one-out group baseline), 'reinforce_pp' (REINFORCE++: discounted returns "
+            "whitened over the batch) or 'reinforce_pp_baseline' (group mean subtracted first). All but 'gae' "
+            "train no critic; grpo, rloo and reinforce_pp_baseline need num_generations >= 2."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "advantage_estimator='grpo' only, TRL GRPO's values: 'group' (or True, default) divides "
+            "by the group's std, 'batch' by the batch's std, 'none' (or False) does not scale (Dr. GRPO)."},
+    )
+
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
         return GuardSettings(**{f.name: getattr(self, f.name) for f in fields(GuardSettings)})
@@ -278,6 +317,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         self._read_recipe_values()
         self._check_ppo_fields()
         self._check_recipe_fields()
+        self._check_estimator_fields()
         if self.use_vllm:
             self._check_vllm_run()  # values the user must change come before the install hint below
         VLLMArguments.__post_init__(self)  # field checks; use_vllm without vLLM: ImportError naming the extra
@@ -393,6 +433,44 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             raise ValueError(
                 f"PPOConfig.critic_warmup_explained_variance={threshold} needs critic_warmup_steps > 0 (the most "
                 "updates the warm-up may take), got critic_warmup_steps=0."
+            )
+
+
+    @property
+    def trains_critic(self) -> bool:
+        """Whether the run has a critic: ``advantage_estimator="gae"``."""
+        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
+
+    def _check_estimator_fields(self) -> None:
+        """``num_generations``, ``advantage_estimator`` and ``scale_rewards`` (made one of
+        ``"group"``, ``"batch"``, ``"none"``)."""
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"PPOConfig.advantage_estimator must be one of {list(ESTIMATORS)}, got {self.advantage_estimator!r}."
+            )
+        self.scale_rewards = resolve_scale_rewards(self.scale_rewards)
+        n = self.num_generations
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"PPOConfig.num_generations must be an int >= 1 (1: one sample per prompt), got {n!r}.")
+        local = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if local % n:
+            raise ValueError(
+                f"PPOConfig.num_generations={n} does not divide the per-process rollout batch "
+                f"per_device_train_batch_size * gradient_accumulation_steps = {self.per_device_train_batch_size} * "
+                f"{self.gradient_accumulation_steps} = {local}: the copies of a prompt stay on one process. Make "
+                f"the rollout batch a multiple of {n}, or change num_generations."
+            )
+        if self.advantage_estimator in GROUP_ESTIMATORS and n < 2:
+            raise ValueError(
+                f"PPOConfig.advantage_estimator={self.advantage_estimator!r} compares the samples of a prompt with "
+                f"each other and needs num_generations >= 2, got num_generations={n}. Set num_generations (4 or 8 "
+                "is common), or use advantage_estimator='reinforce_pp' or 'gae'."
+            )
+        if not self.trains_critic and self.critic_warmup_steps:
+            raise ValueError(
+                f"PPOConfig.critic_warmup_steps={self.critic_warmup_steps} with advantage_estimator="
+                f"{self.advantage_estimator!r}, which trains no critic: there is nothing to warm up. Set "
+                "critic_warmup_steps=0, or advantage_estimator='gae'."
             )
 
 

@@ -300,6 +300,56 @@ class PromptCollator:
         return batch
 
 
+def repeat_prompts(batch: Mapping, num_generations: int) -> dict:
+    """Every row of a collated prompt batch ``num_generations`` times, the copies adjacent: rows
+    ``b*G .. b*G+G-1`` of the result are row ``b`` of ``batch`` (``repeat_interleave`` order, the
+    grouping ``trl_ppo_ext.estimators`` reads).
+
+    Args:
+        batch: a collated batch (``PromptCollator``'s): tensors with ``B`` rows along dim 0
+            (``input_ids``, ``attention_mask``, ...) and lists or tuples of ``B`` per-row extras
+            (an ``answer`` column, the prompt text). The same object fills a row's copies (no
+            deep copy), as TRL GRPO repeats its inputs.
+        num_generations: ``G >= 1``.
+
+    Returns:
+        A new dict with the same keys: tensors ``(B * G, ...)``, lists of ``B * G``. ``batch``
+        is not modified.
+
+    Raises:
+        ValueError: ``G < 1``, or fields with different numbers of rows (naming them).
+        TypeError: a field that is neither a tensor with a batch dimension nor a list/tuple.
+
+    Example:
+        >>> import torch
+        >>> out = repeat_prompts({"input_ids": torch.tensor([[1, 2], [3, 4]]), "answer": ["a", "b"]}, 2)
+        >>> out["input_ids"].tolist(), out["answer"]
+        ([[1, 2], [1, 2], [3, 4], [3, 4]], ['a', 'a', 'b', 'b'])
+    """
+    import torch
+
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}.")
+    rows = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            rows[key] = value.shape[0]
+        elif isinstance(value, (list, tuple)):
+            rows[key] = len(value)
+        else:
+            raise TypeError(
+                f"repeat_prompts: field {key!r} is a {type(value).__name__}; a collated batch holds tensors with a "
+                "batch dimension and lists of per-row values. Collate it as PromptCollator does."
+            )
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"repeat_prompts: the fields have different numbers of rows: {rows}.")
+    return {
+        key: value.repeat_interleave(num_generations, dim=0) if torch.is_tensor(value)
+        else [item for item in value for _ in range(num_generations)]
+        for key, value in batch.items()
+    }
+
+
 def too_long_prompts(lengths: Sequence[int], empty: Sequence[bool], limit: int | None) -> list[bool]:
     """The prompt rule ``render_prompts`` drops by and the trainer refuses by: a non-empty prompt
     of more than ``limit`` tokens (``max_length - response_length``) leaves no room for the

@@ -15,7 +15,9 @@ GRPO's name                 PPO's field         meaning
 ``epsilon_high``            ``cliprange_high``  upper clip, ``1 + eps_high`` (DAPO)
 ==========================  ==================  ==========================================
 
-Both names then hold the same value. Giving both with different values is an error. Names
+Both names then hold the same value. Giving both with different values is an error. GRPO's
+``num_generations`` and ``scale_rewards`` are ``PPOConfig`` fields of their own, with GRPO's
+meaning (samples per prompt; the std ``advantage_estimator="grpo"`` divides by). Names
 whose idea differs here (``beta``: a KL term in GRPO's loss, while PPO puts the KL in the
 reward with ``kl_coef``) raise a ``TypeError`` that names this package's field and the
 difference (:func:`refuse_foreign_names`), instead of the bare "unexpected keyword argument".
@@ -46,16 +48,6 @@ FOREIGN_NAMES = {
         "GRPO's beta weights a KL term added to the loss (0.0 there: no reference model). PPO puts the KL in "
         "the reward instead, per token: use kl_coef (default 0.05; kl_estimator='k3' for GRPO's estimator), "
         "or kl_coef=0.0 for no KL penalty."
-    ),
-    "num_generations": (
-        "several samples per prompt are not available in this trainer yet: each prompt is sampled once per "
-        "rollout and the critic (GAE) gives the baseline. Remove num_generations; the batch sizes count "
-        "completions as in GRPO (per_device_train_batch_size * gradient_accumulation_steps * processes)."
-    ),
-    "scale_rewards": (
-        "GRPO scales each reward by its group's std; without groups there is nothing to scale by here. PPO's "
-        "advantages are whitened over the rollout batch instead (whiten_advantages=True, the default). "
-        "Remove scale_rewards."
     ),
     "log_completions": (
         "this trainer prints and logs a table of completions for held-out prompts num_sample_generations "

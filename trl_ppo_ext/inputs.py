@@ -172,13 +172,14 @@ def load_reward_models(reward_model, reward_funcs, args):
     return reward_model, funcs[0] if single else funcs
 
 
-def value_model_or_default(model, value_model, peft_config):
+def value_model_or_default(model, value_model, peft_config, with_value: bool = True):
     """``value_model``, or :func:`default_value_model` of ``model`` when the run would otherwise have
     no critic: no ``value_model``, no ``peft_config``, and ``model`` is neither a shared
-    actor-critic nor a ``PeftModel`` (both carry a value head of their own)."""
+    actor-critic nor a ``PeftModel`` (both carry a value head of their own). ``with_value=False``
+    (an advantage estimator that reads no value) builds none: ``value_model`` as given."""
     from peft import PeftModel
 
-    if value_model is not None or peft_config is not None:
+    if not with_value or value_model is not None or peft_config is not None:
         return value_model
     if getattr(model, "is_actor_critic", False) or isinstance(model, PeftModel):
         return None
@@ -222,7 +223,7 @@ def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, tr
     """Every input of ``PPOTrainer`` as the trainer reads it, in its argument order: the policy
     (:func:`load_policy`), its tokenizer (:func:`load_processing_class`), the reward models
     (:func:`load_reward_models`), both datasets (:func:`prompt_dataset`) and the critic
-    (:func:`value_model_or_default`)."""
+    (:func:`value_model_or_default`; none is made when ``args.advantage_estimator`` reads no value)."""
     model = load_policy(model, args)
     processing_class = load_processing_class(processing_class, model)
     reward_model, reward_funcs = load_reward_models(reward_model, reward_funcs, args)
@@ -230,5 +231,6 @@ def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, tr
         prompt_dataset(dataset, processing_class, response_length=args.response_length,
                        max_length=max_positions(model), name=name)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)))
-    value_model = value_model_or_default(model, value_model, peft_config)
+    with_value = getattr(args, "advantage_estimator", "gae") == "gae"
+    value_model = value_model_or_default(model, value_model, peft_config, with_value=with_value)
     return model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset, value_model

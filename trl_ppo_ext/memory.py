@@ -3,6 +3,7 @@
     python -m trl_ppo_ext.memory --preset llama-7b --card 24      # the trainer's defaults
     python -m trl_ppo_ext.memory --config path/to/config.json --base bf16 --no-gradient-checkpointing
     python -m trl_ppo_ext.memory --fits-table            # the README table
+    python -m trl_ppo_ext.memory --preset llama-7b --advantage-estimator grpo   # no critic
 
 Pure arithmetic over two frozen dataclasses: :class:`ModelShape` (a Llama-shaped decoder:
 Llama, Mistral, Qwen2) and :class:`PPORun` (batch sizes named as in ``PPOConfig``,
@@ -241,6 +242,10 @@ class PPORun:
         gradient_checkpointing: recompute each layer in backward instead of keeping its
             activations. On by default, as in the trainer (TRL's ``gradient_checkpointing=True``).
         reward_model: the reward model's shape; None -> the policy's.
+        critic: False models an advantage estimator that reads no value (``PPOConfig.
+            advantage_estimator`` other than ``"gae"``: GRPO, RLOO, REINFORCE++): no value head
+            (shared) or value model (four models -> three), none of their weights, gradients,
+            optimizer state or activations.
 
     Raises:
         ValueError: a combination the package does not run (named in the message).
@@ -261,6 +266,7 @@ class PPORun:
     offload_ref_model: bool = False
     gradient_checkpointing: bool = True
     reward_model: ModelShape | None = field(default=None, repr=False)
+    critic: bool = True
 
     def __post_init__(self):
         if self.lora_target_modules == "all-linear":
@@ -411,7 +417,7 @@ def forward_activation_bytes(model: ModelShape, run: PPORun, batch: int, *, head
     final = tokens * 4 * H
     if not run.shared:
         final += tokens * (4 + DTYPE_BYTES[run.compute_dtype]) * H
-    value_input = batch * (L if head == "score" else T + 1) * H * 4
+    value_input = batch * (L if head == "score" else T + 1) * H * 4 if run.critic else 0
     return layers + final + value_input
 
 
@@ -513,13 +519,14 @@ class Estimate:
 def _trained_parts(model: ModelShape, run: PPORun) -> tuple[int, dict[str, int], int]:
     """``(trainable parameters, resident frozen weights by name, reference bytes)``."""
     if run.shared:
-        trainable = model.lora_parameters(run.lora_r, run.lora_target_modules) + model.hidden_size + 1
+        trainable = model.lora_parameters(run.lora_r, run.lora_target_modules)
+        trainable += model.hidden_size + 1 if run.critic else 0  # the value head Linear(H, 1)
         weights = {"weights: base (policy = reference)": weight_bytes(model, run.base_dtype, run.compute_dtype),
-                   "weights: LoRA + value head (fp32)": 4 * trainable}
+                   f"weights: LoRA{' + value head' if run.critic else ''} (fp32)": 4 * trainable}
         return trainable, weights, 0
-    trainable = model.parameters("lm") + model.parameters("score")
+    trainable = model.parameters("lm") + (model.parameters("score") if run.critic else 0)
     reference = weight_bytes(model, run.base_dtype, run.compute_dtype)
-    weights = {"weights: policy + value model (fp32)": 4 * trainable}
+    weights = {f"weights: policy{' + value model' if run.critic else ''} (fp32)": 4 * trainable}
     if not run.offload_ref_model:
         weights["weights: reference"] = reference
     return trainable, weights, reference
@@ -547,8 +554,9 @@ def _scoring(model: ModelShape, reward: ModelShape, run: PPORun, reference: int,
     """The largest no-grad forward of scoring, with the offloaded weights it brings in."""
     b_r, L, T = run.forward_batch, run.sequence_length, run.response_length
     nf4 = run.base_dtype == "nf4"  # the frozen models (and the shared base) are 4-bit
+    policy = "policy + value" if run.critic else "policy"
     forwards = {
-        "policy + value": {"forward: policy + value": inference_forward_bytes(
+        policy: {f"forward: {policy}": inference_forward_bytes(
             model, run, b_r, L, logit_positions=T + 1, quantized=nf4 and run.shared)},
         "reference": {"forward: reference": inference_forward_bytes(
             model, run, b_r, L, logit_positions=T + 1, quantized=nf4)},
@@ -567,7 +575,7 @@ def _update(model: ModelShape, run: PPORun, trainable: int, moments: dict[str, i
     at this step, else empty)."""
     b_u = run.per_device_train_batch_size
     activations = forward_activation_bytes(model, run, b_u)
-    if not run.shared:  # the value model's forward is alive at the same time
+    if not run.shared and run.critic:  # the value model's forward is alive at the same time
         activations += forward_activation_bytes(model, run, b_u, head="score")
     extra = {}
     if run.compute_dtype == "bf16":  # autocast keeps a bf16 copy of each trainable fp32 weight for backward
@@ -758,10 +766,12 @@ def describe(model: ModelShape) -> str:
 
 def describe_run(run: PPORun, trainable: int) -> str:
     if run.shared:
-        what = (f"shared LoRA actor-critic, r={run.lora_r} on {','.join(run.lora_target_modules)}, "
-                f"{run.base_dtype} base")
-    else:
+        what = (f"shared LoRA {'actor-critic' if run.critic else 'policy, no critic'}, r={run.lora_r} on "
+                f"{','.join(run.lora_target_modules)}, {run.base_dtype} base")
+    elif run.critic:
         what = f"four models (policy + value trained in full, fp32; reference and RM {run.base_dtype})"
+    else:
+        what = f"three models, no critic (policy trained in full, fp32; reference and RM {run.base_dtype})"
     offload = [n for n, on in (("RM", run.offload_reward_model), ("reference", run.offload_ref_model)) if on]
     return (f"{what}; {trainable / 1e6:.1f}M trainable; {run.compute_dtype} compute; "
             f"B={run.rollout_batch} (micro-batch {run.per_device_train_batch_size}, "
@@ -848,6 +858,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="TRL's four models (policy and value trained in full) instead of the shared LoRA model")
     run.add_argument("--lora-target-modules", default=",".join(defaults.lora_target_modules),
                      help="comma-separated names, or all-linear")
+    from .estimators import ESTIMATORS  # its choices; the rest of this module needs none of the trainer
+
+    run.add_argument("--advantage-estimator", choices=ESTIMATORS, default="gae",
+                     help="gae trains a critic; grpo, rloo, reinforce_pp and reinforce_pp_baseline have none, and "
+                          "the estimate counts no value head or value model")
     run.add_argument("--offload-reward-model", action="store_true")
     run.add_argument("--offload-ref-model", action="store_true")
     run.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
@@ -908,7 +923,7 @@ def run_from_args(args) -> PPORun:
             compute_dtype=args.compute, shared=not args.four_models, lora_r=args.lora_r,
             lora_target_modules=targets, offload_reward_model=args.offload_reward_model,
             offload_ref_model=args.offload_ref_model, gradient_checkpointing=args.gradient_checkpointing,
-            reward_model=reward,
+            reward_model=reward, critic=args.advantage_estimator == "gae",
         )
     except ValueError as err:
         args.parser.error(str(err))

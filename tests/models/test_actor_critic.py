@@ -657,3 +657,53 @@ def test_4bit_actor_critic_on_cuda_uses_bf16_and_trains(lm_dir, ids):
     assert values.dtype == torch.float32
     (values.sum() + logits.float().mean()).backward()
     assert model.value_head.weight.grad is not None
+
+
+# ------------------------------------------------------------------- without a critic
+
+
+def _forward_counter(module: nn.Module) -> list:
+    calls = []
+    module.register_forward_hook(lambda m, args, out: calls.append(1))
+    return calls
+
+
+def test_without_a_critic_there_is_no_value_parameter_and_the_logits_are_the_policys(tok, ids):
+    model = SharedActorCritic(build_tiny_causal_lm(tok, seed=3), lora_config=small_lora(), with_value=False)
+    with_critic = SharedActorCritic(build_tiny_causal_lm(tok, seed=3), lora_config=small_lora())
+    fill_trainable(model, seed=1)
+    fill_trainable(with_critic, seed=1)  # the same LoRA weights
+    names = [n for n, _ in model.named_parameters()]
+    assert not model.has_value and model.value_head is None and model.value_adapter is None
+    assert not any("value" in n for n in names) and all("lora_" in n for n, p in model.named_parameters()
+                                                         if p.requires_grad)
+    backbone = model.policy.get_base_model().model
+    calls = _forward_counter(backbone)
+    logits, values = model(ids, logits_to_keep=4)
+    assert len(calls) == 1  # one backbone pass: no value pass ran
+    assert values.shape == (3, 4) and values.dtype == torch.float32 and values.eq(0).all()
+    assert torch.equal(logits, with_critic(ids, logits_to_keep=4)[0])
+    with model.reference_context():  # the reference is still the adapter off
+        ref_logits, _ = model(ids)
+    assert torch.equal(ref_logits, build_tiny_causal_lm(tok, seed=3)(ids).logits)  # the untouched base
+
+
+def test_without_a_critic_a_value_head_or_adapter_is_refused(tok):
+    with pytest.raises(ValueError, match="with_value=False builds an actor-critic without a critic"):
+        SharedActorCritic(build_tiny_causal_lm(tok), lora_config=small_lora(), value_lora_config=small_lora(),
+                          with_value=False)
+    with_adapter = SharedActorCritic(build_tiny_causal_lm(tok), lora_config=small_lora(),
+                                     value_lora_config=small_lora()).policy
+    with pytest.raises(ValueError, match="carries a value adapter 'value'"):
+        SharedActorCritic(with_adapter, with_value=False)
+
+
+def test_without_a_critic_save_and_load_round_trip(tok, ids, tmp_path):
+    model = SharedActorCritic(build_tiny_causal_lm(tok, seed=4), lora_config=small_lora(), with_value=False)
+    fill_trainable(model, seed=2)
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / VALUE_HEAD_WEIGHTS).exists()
+    assert json.loads((tmp_path / VALUE_HEAD_CONFIG).read_text())["with_value"] is False
+    loaded = SharedActorCritic.from_pretrained(build_tiny_causal_lm(tok, seed=4), tmp_path)
+    assert not loaded.has_value
+    assert torch.equal(loaded(ids)[0], model(ids)[0])

@@ -88,3 +88,26 @@ def test_reference_adapter_disables_the_adapter_and_restores_every_requires_grad
         again = policy(input_ids=ids).logits
     assert not torch.equal(adapted, base) and torch.equal(adapted, again)
     assert [p.requires_grad for p in [*policy.parameters(), *value_head.parameters()]] == flags
+
+
+# ---------------------------------------------------------------- without a critic
+def test_a_policy_without_a_value_model_runs_the_policy_only():
+    tok = build_tiny_tokenizer()
+    policy = build_tiny_causal_lm(tok, seed=2)
+    pv = PolicyAndValue(policy, None).eval()
+    assert not pv.has_value and pv.value_model is None
+    assert {n.split(".")[0] for n, _ in pv.named_parameters()} == {"policy"}
+    calls = []
+    policy.register_forward_hook(lambda m, args, out: calls.append(1))
+    ids = torch.tensor([[7, 8, 9, 10, 11]])
+    mask, pos = torch.ones_like(ids), torch.arange(5)[None]
+    with torch.no_grad():
+        logits, values = pv(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=3)
+        direct = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert len(calls) == 2  # ours and the direct call: nothing else ran the policy
+    assert values.shape == (1, 3) and values.dtype == torch.float32 and values.eq(0).all()
+    torch.testing.assert_close(logits, direct[:, -3:], rtol=0, atol=1e-6)
+    pv.gradient_checkpointing_enable({"use_reentrant": False})  # the policy alone
+    assert pv.is_gradient_checkpointing
+    pv.gradient_checkpointing_disable()
+    assert not pv.is_gradient_checkpointing

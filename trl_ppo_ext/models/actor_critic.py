@@ -136,21 +136,39 @@ class SharedActorCritic(nn.Module):
         value_head: a ``Linear(H, 1)`` to use as critic; None -> a new fp32 one.
         value_lora_config: a separate LoRA adapter for the critic (see above); None -> off.
             A PeftModel that already has an adapter named ``"value"`` turns it on too.
+        with_value: False builds the critic-free policy (an advantage estimator that reads no
+            value: GRPO, RLOO, REINFORCE++): no value head and no value adapter exist, and
+            ``forward`` runs the policy alone and returns values of 0. The reference is the
+            adapter off, as with a critic.
 
     Raises:
         ValueError: a PeftModel together with ``lora_config``; a value head of the wrong
-            shape; reentrant gradient checkpointing together with a value adapter.
+            shape; reentrant gradient checkpointing together with a value adapter; a value
+            head, a value adapter or ``value_lora_config`` with ``with_value=False``.
     """
 
     is_actor_critic = True
 
     def __init__(self, base_model: nn.Module, lora_config: LoraConfig | None = None,
                  value_head: nn.Linear | None = None,
-                 value_lora_config: LoraConfig | None = None):
+                 value_lora_config: LoraConfig | None = None, with_value: bool = True):
         super().__init__()
+        if not with_value and (value_head is not None or value_lora_config is not None):
+            raise ValueError(
+                "with_value=False builds an actor-critic without a critic, and a value_head or value_lora_config "
+                "was given too. Drop them, or pass with_value=True."
+            )
         self.policy = self._wrap_policy(base_model, lora_config)
         self.policy_adapter = self.policy.active_adapter
         self.value_adapter = self._add_value_adapter(value_lora_config)
+        if not with_value:
+            if self.value_adapter is not None:
+                raise ValueError(
+                    f"with_value=False, but the policy carries a value adapter {self.value_adapter!r}. Pass a "
+                    "PeftModel without it (delete_adapter), or with_value=True."
+                )
+            self.value_head = None
+            return
         hidden_size = _hidden_size(self.config)
         device = self.policy.get_output_embeddings().weight.device
         if value_head is None:
@@ -203,6 +221,11 @@ class SharedActorCritic(nn.Module):
                 param.requires_grad_(True)
         return VALUE_ADAPTER_NAME
 
+    @property
+    def has_value(self) -> bool:
+        """Whether there is a critic (a value head)."""
+        return self.value_head is not None
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -220,11 +243,16 @@ class SharedActorCritic(nn.Module):
 
         Returns:
             logits: next-token logits, dtype of the model. Shape: (B, k, V) (k = L when 0).
-            values: float32 value estimates ``V(s_t)`` at the same positions. Shape: (B, k).
+            values: float32 value estimates ``V(s_t)`` at the same positions, all 0 without a
+                critic (``with_value=False``). Shape: (B, k).
         """
         kwargs.setdefault("use_cache", False)
         if logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
+        if self.value_head is None:  # no critic: the policy's forward alone
+            logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 **kwargs).logits
+            return logits, torch.zeros(logits.shape[:2], dtype=torch.float32, device=logits.device)
         # The final hidden state is the LM head's input: catch it there instead of asking for
         # every layer's hidden states (output_hidden_states keeps L+1 (B, L, H) tensors alive).
         captured = []
@@ -399,6 +427,11 @@ class SharedActorCritic(nn.Module):
 
         os.makedirs(output_dir, exist_ok=True)
         self.policy.save_pretrained(output_dir)
+        if self.value_head is None:  # no critic: the adapter, and a config that says so
+            with open(os.path.join(output_dir, VALUE_HEAD_CONFIG), "w") as f:
+                json.dump({"with_value": False, "policy_adapter": self.policy_adapter, "value_adapter": None}, f,
+                          indent=2)
+            return
         state = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
         save_file(state, os.path.join(output_dir, VALUE_HEAD_WEIGHTS))
         meta = {
@@ -437,6 +470,14 @@ class SharedActorCritic(nn.Module):
             )
         with open(meta_path) as f:
             meta = json.load(f)
+        if not meta.get("with_value", True):
+            if is_4bit_model(base_model):
+                make_4bit_cpu_safe(base_model)
+            with _quiet_peft_on_new_transformers():
+                policy = PeftModel.from_pretrained(
+                    base_model, _adapter_dir(output_dir, meta["policy_adapter"]),
+                    is_trainable=is_trainable, adapter_name=meta["policy_adapter"])
+            return cls(policy, with_value=False).train(is_trainable)
         if meta["hidden_size"] != _hidden_size(base_model.config):
             raise ValueError(
                 f"output_dir={os.fspath(output_dir)!r} holds a value head for hidden_size="

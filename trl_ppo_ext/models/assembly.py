@@ -13,6 +13,17 @@ causal LM / PeftModel  None                given / None     ``SharedActorCritic`
 causal LM              a scorer            given / None     ``PolicyAndValue`` (LoRA'd when given)
 =====================  ==================  ===============  ======================================
 
+Without a critic (``with_value=False``: an advantage estimator that reads no value), no value
+parameter exists anywhere and a ``value_model`` is ignored with a warning:
+
+=====================  ===============  ==============================================
+``model``              ``peft_config``  assembled as
+=====================  ===============  ==============================================
+``SharedActorCritic``  None             itself, if built with ``with_value=False``
+causal LM / PeftModel  given / None     ``SharedActorCritic(..., with_value=False)``
+causal LM              None             ``PolicyAndValue(model, None)`` (full training)
+=====================  ===============  ==============================================
+
 Example:
 
 >>> from trl_ppo_ext.models.assembly import build_policy_and_value
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -39,11 +51,15 @@ __all__ = [
 ]
 
 
-def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft_config=None) -> nn.Module:
+def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft_config=None, *,
+                           with_value: bool = True) -> nn.Module:
     """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
     ``(logits (B, L, V), values (B, L))``: a ``SharedActorCritic`` or a ``PolicyAndValue`` pair
-    (see the module's table). ``get_peft_model`` wraps ``model`` in place when ``peft_config``
+    (see the module's tables). ``get_peft_model`` wraps ``model`` in place when ``peft_config``
     is given with a separate ``value_model``.
+
+    ``with_value=False``: the critic-free module (second table); its ``has_value`` is False and
+    its values are 0. A ``value_model`` given anyway is not used (``UserWarning``).
 
     Raises:
         ValueError: a combination of the table's columns that is not in it, naming the
@@ -51,6 +67,8 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
     """
     from peft import PeftModel, get_peft_model
 
+    if not with_value:
+        return _build_policy_only(model, value_model, peft_config)
     if getattr(model, "is_actor_critic", False):
         if value_model is not None:
             raise ValueError(
@@ -81,6 +99,35 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
             )
         policy = get_peft_model(model, peft_config)
     return PolicyAndValue(policy, value_model)
+
+
+def _build_policy_only(model: nn.Module, value_model: nn.Module | None, peft_config) -> nn.Module:
+    """``build_policy_and_value(..., with_value=False)``."""
+    from peft import PeftModel
+
+    from .actor_critic import SharedActorCritic
+
+    if value_model is not None:
+        warnings.warn(
+            "a `value_model` was passed, but the advantage estimator reads no value (no critic is trained): the "
+            "value model is not used and holds no memory on the device here. Pass value_model=None, or "
+            "advantage_estimator='gae' to train it.", UserWarning, stacklevel=3,
+        )
+    if getattr(model, "is_actor_critic", False):
+        if model.has_value:
+            raise ValueError(
+                "`model` is a SharedActorCritic with a value head, and the advantage estimator trains no critic. "
+                "Build it with SharedActorCritic(..., with_value=False), or use advantage_estimator='gae'."
+            )
+        if peft_config is not None:
+            raise ValueError(
+                "`model` is a SharedActorCritic, which already carries its LoRA adapter, and `peft_config` was "
+                "passed too. Pass peft_config=None (set LoRA options when building the actor-critic)."
+            )
+        return model
+    if peft_config is not None or isinstance(model, PeftModel):
+        return SharedActorCritic(model, lora_config=peft_config, with_value=False)
+    return PolicyAndValue(model, None)
 
 
 def check_separate_reference(model: nn.Module, ref_model: nn.Module | None) -> None:

@@ -123,32 +123,47 @@ class PolicyAndValue(nn.Module):
 
     ``forward`` returns ``(logits (B, L, V), values (B, L))`` like ``SharedActorCritic``, so the
     trainer treats both set-ups alike; here the two come from two backbones.
+
+    ``value_model=None`` is the critic-free policy (an advantage estimator that reads no value:
+    GRPO, RLOO, REINFORCE++): no value parameters at all, and ``forward`` runs the policy only
+    and returns values of 0.
     """
 
     is_actor_critic = False
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module):
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+
+    @property
+    def has_value(self) -> bool:
+        """Whether there is a critic (a value model)."""
+        return self.value_model is not None
 
     @property
     def config(self):
         return self.policy.config
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0, **kwargs):
-        """``(logits (B, k, V), values (B, k))`` for the last ``k = logits_to_keep`` positions (0: all)."""
+        """``(logits (B, k, V), values (B, k))`` for the last ``k = logits_to_keep`` positions (0: all);
+        values float32, all 0 without a value model (nothing of a critic runs)."""
         logits = lm_logits(self.policy, input_ids, attention_mask, position_ids, logits_to_keep)
+        if self.value_model is None:
+            return logits, torch.zeros(logits.shape[:2], dtype=torch.float32, device=logits.device)
         hidden = backbone_hidden(self.value_model, input_ids, attention_mask, position_ids)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return logits, scalar_head(self.value_model, hidden)
 
+    def _models(self) -> list[tuple[nn.Module, str]]:
+        return [(self.policy, "policy")] + ([(self.value_model, "value model")] if self.has_value else [])
+
     @property
     def is_gradient_checkpointing(self) -> bool:
         """Whether the policy or the value model checkpoints activations (TRL's generation
         context reads it to switch checkpointing off and back on around ``generate``)."""
-        return is_checkpointing(self.policy) or is_checkpointing(self.value_model)
+        return any(is_checkpointing(m) for m, _ in self._models())
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs):
         """Checkpoint the activations of both backbones (policy and value model); a model that
@@ -156,12 +171,12 @@ class PolicyAndValue(nn.Module):
         again without kwargs (TRL's generation context, after each rollout), it reuses the
         kwargs of the last call that gave some."""
         kwargs = remembered_checkpointing_kwargs(self, gradient_checkpointing_kwargs)
-        enable_checkpointing(self.policy, kwargs, role="policy")
-        enable_checkpointing(self.value_model, kwargs, role="value model")
+        for model, role in self._models():
+            enable_checkpointing(model, kwargs, role=role)
 
     def gradient_checkpointing_disable(self):
-        for m in (self.policy, self.value_model):
-            disable_checkpointing(m)
+        for model, _ in self._models():
+            disable_checkpointing(model)
 
 
 def remembered_checkpointing_kwargs(wrapper: nn.Module, given: dict | None) -> dict | None:

@@ -487,8 +487,9 @@ class ManifestMixin:
                                    "shared_with": ["policy"]}
         else:
             models["reference"] = model_identity(self.ref_model, "reference")
-        value = unwrapped if shared else unwrapped.value_model
-        models["value"] = model_identity(value, "value", shared_with=["policy"] if shared else ())
+        if getattr(unwrapped, "has_value", True):  # a critic-free run records no value model
+            value = unwrapped if shared else unwrapped.value_model
+            models["value"] = model_identity(value, "value", shared_with=["policy"] if shared else ())
         if self.reward_model is not None:
             models["reward"] = model_identity(self.reward_model, "reward")
         rewards = [

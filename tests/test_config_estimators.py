@@ -1,0 +1,74 @@
+"""PPOConfig's num_generations, advantage_estimator and scale_rewards: defaults, the checks in
+__post_init__ (each error names the fields), TRL GRPO's legacy booleans, and the command line."""
+
+import pytest
+from transformers import HfArgumentParser
+
+from trl_ppo_ext import PPOConfig
+
+
+def test_defaults_are_todays_run(make_config):
+    config = make_config()
+    assert (config.num_generations, config.advantage_estimator, config.scale_rewards) == (1, "gae", "group")
+    assert config.trains_critic
+
+
+@pytest.mark.parametrize("estimator, critic", [
+    ("gae", True), ("grpo", False), ("rloo", False), ("reinforce_pp", False), ("reinforce_pp_baseline", False),
+])
+def test_each_estimator_is_accepted_and_says_whether_it_trains_a_critic(make_config, estimator, critic):
+    config = make_config(advantage_estimator=estimator, num_generations=2)
+    assert config.advantage_estimator == estimator and config.trains_critic is critic
+
+
+@pytest.mark.parametrize("given, stored", [(True, "group"), (False, "none"), ("batch", "batch"), ("none", "none")])
+def test_scale_rewards_takes_trl_grpos_values(make_config, given, stored):
+    assert make_config(scale_rewards=given).scale_rewards == stored
+
+
+def test_unknown_values_are_refused(make_config):
+    with pytest.raises(ValueError, match="advantage_estimator must be one of .*'reinforce_pp_baseline'.*got 'ppo'"):
+        make_config(advantage_estimator="ppo")
+    with pytest.raises(ValueError, match="scale_rewards must be one of"):
+        make_config(scale_rewards="std")
+    with pytest.raises(ValueError, match="num_generations must be an int >= 1.*got 0"):
+        make_config(num_generations=0)
+
+
+def test_the_rollout_batch_must_hold_whole_groups(make_config):
+    # per-process rollout batch 4 * 1 = 4; 3 does not divide it
+    with pytest.raises(ValueError, match=r"num_generations=3 does not divide the per-process rollout batch "
+                                         r"per_device_train_batch_size \* gradient_accumulation_steps = 4 \* 1 = 4"):
+        make_config(num_generations=3)
+    assert make_config(num_generations=3, per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                       local_rollout_forward_batch_size=6).num_generations == 3  # 3 * 2 = 6
+    assert make_config(num_generations=4).num_generations == 4  # gae with several samples per prompt
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_estimators_need_two_samples_per_prompt(make_config, estimator):
+    with pytest.raises(ValueError, match=f"advantage_estimator='{estimator}' compares the samples.*"
+                                         "num_generations >= 2, got num_generations=1"):
+        make_config(advantage_estimator=estimator)
+
+
+def test_reinforce_pp_runs_with_one_sample(make_config):
+    assert make_config(advantage_estimator="reinforce_pp").num_generations == 1
+
+
+def test_a_critic_warmup_without_a_critic_is_refused(make_config):
+    with pytest.raises(ValueError, match="critic_warmup_steps=2 with advantage_estimator='grpo'"):
+        make_config(advantage_estimator="grpo", num_generations=2, critic_warmup_steps=2)
+
+
+def test_the_fields_parse_on_the_command_line(tmp_path):
+    (config,) = HfArgumentParser(PPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--per_device_train_batch_size", "4",
+         "--num_generations", "4", "--advantage_estimator", "grpo", "--scale_rewards", "batch"])
+    assert (config.num_generations, config.advantage_estimator, config.scale_rewards) == (4, "grpo", "batch")
+    (legacy,) = HfArgumentParser(PPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--scale_rewards", "False"])
+    assert legacy.scale_rewards == "none"  # TRL's False, as text from the command line
+    with pytest.raises(SystemExit):  # argparse's choices
+        HfArgumentParser(PPOConfig).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--advantage_estimator", "ppo"])

@@ -1,0 +1,434 @@
+"""Advantage estimators other than the critic's GAE: GRPO, RLOO and REINFORCE++ (with and
+without a group baseline), and :func:`estimator_targets`, which computes a ``PPOTargets`` for
+any of the five ``advantage_estimator`` values (``"gae"`` goes to
+``advantages.compute_targets``).
+
+Notation as in ``functional``: ``B`` sequences, ``T`` response tokens, ``(B, T)`` token
+tensors, ``(B,)`` per-sequence ones. ``action_mask`` ``(B, T)`` bool, True = a token the policy
+sampled (the response mask when a completion holds no environment tokens); every ``(B, T)``
+output is exactly 0 where it is False.
+
+Grouping: with ``G = num_generations`` samples per prompt, rows ``b*G .. b*G+G-1`` are the ``G``
+completions of one prompt (the copies are adjacent, ``repeat_interleave`` order:
+``data.repeat_prompts``). A batch of ``B`` rows that is not a multiple of ``G`` is refused.
+
+Where per-token (process) rewards keep a meaning:
+
+* ``"grpo"`` and ``"rloo"`` compare one scalar per sequence within its group: the sequence's
+  undiscounted sum of shaped rewards (:func:`sequence_returns`: the score, plus every
+  per-token reward, minus ``kl_coef`` times the summed KL -- TRL RLOO's sequence-level KL).
+  A process reward then counts only through that sum: where in the completion it was earned
+  is lost, and the advantage is the same on every action token (:func:`broadcast_sequence_advantages`).
+* ``"reinforce_pp"`` and ``"reinforce_pp_baseline"`` keep the rewards per token: each action
+  token's advantage is its discounted return-to-go, so a step reward counts for the tokens
+  before it only.
+
+Example:
+
+>>> import torch
+>>> grpo_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), num_generations=2, scale_rewards="none")
+tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import functional as F
+from .advantages import PPOTargets, compute_targets, target_settings
+from .rollout import Rollout
+
+__all__ = [
+    "ESTIMATORS", "CRITIC_FREE_ESTIMATORS", "GROUP_ESTIMATORS", "SCALE_REWARDS", "GROUP_STD_EPS",
+    "needs_critic", "resolve_scale_rewards", "grouped", "grpo_advantages", "rloo_advantages",
+    "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "broadcast_sequence_advantages",
+    "sequence_returns", "group_reward_metrics", "estimator_targets", "estimator_settings",
+]
+
+# PPOConfig.advantage_estimator's values (OpenRLHF's --advantage_estimator / verl's adv_estimator idea).
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# The estimators that read no value: the run needs no critic.
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# The estimators whose baseline is the group of a prompt's samples: num_generations >= 2.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+# TRL GRPOConfig.scale_rewards' values (True means "group" and False "none" there, and here).
+SCALE_REWARDS = ("group", "batch", "none")
+# TRL GRPO adds this to the std it divides by (grpo_trainer: `advantages / (std_rewards + 1e-4)`).
+GROUP_STD_EPS = 1e-4
+
+
+def needs_critic(advantage_estimator: str) -> bool:
+    """Whether ``advantage_estimator`` reads the critic's values (only ``"gae"`` does).
+
+    >>> needs_critic("gae"), needs_critic("grpo")
+    (True, False)
+    """
+    if advantage_estimator not in ESTIMATORS:
+        raise ValueError(f"advantage_estimator must be one of {list(ESTIMATORS)}, got {advantage_estimator!r}.")
+    return advantage_estimator == "gae"
+
+
+def resolve_scale_rewards(scale_rewards) -> str:
+    """TRL GRPO's ``scale_rewards`` as one of ``SCALE_REWARDS``: ``True`` -> ``"group"``, ``False``
+    -> ``"none"`` (TRL's legacy booleans; their text ``"True"``/``"False"`` from a command line
+    too), a string of ``SCALE_REWARDS`` as it is.
+
+    >>> resolve_scale_rewards(True), resolve_scale_rewards("False"), resolve_scale_rewards("batch")
+    ('group', 'none', 'batch')
+    """
+    value = {True: "group", False: "none", "True": "group", "False": "none"}.get(scale_rewards, scale_rewards) \
+        if isinstance(scale_rewards, (bool, str)) else scale_rewards
+    if value not in SCALE_REWARDS:
+        raise ValueError(
+            f"scale_rewards must be one of {list(SCALE_REWARDS)} (or True = 'group', False = 'none', as in TRL "
+            f"GRPO), got {scale_rewards!r}."
+        )
+    return value
+
+
+def _check_num_generations(num_generations: int, minimum: int, what: str) -> None:
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < minimum:
+        raise ValueError(
+            f"{what} needs num_generations >= {minimum} samples per prompt, got {num_generations!r}"
+            + (": the baseline of a sample is its group's other samples." if minimum > 1 else ".")
+        )
+
+
+def grouped(x: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """``(B,)`` -> ``(B / G, G)``: row ``p`` holds the ``G`` samples of prompt ``p`` (rows
+    ``p*G .. p*G+G-1`` of ``x``). A view, no copy.
+
+    Raises:
+        ValueError: ``x`` not 1-D, or ``B`` not a multiple of ``G``, naming both.
+
+    >>> grouped(torch.arange(6.0), 3)
+    tensor([[0., 1., 2.],
+            [3., 4., 5.]])
+    """
+    _check_num_generations(num_generations, 1, "grouping")
+    if x.dim() != 1:
+        raise ValueError(f"expected per-sequence values of shape (B,), got {tuple(x.shape)}")
+    if x.shape[0] % num_generations:
+        raise ValueError(
+            f"a batch of {x.shape[0]} sequences is not a multiple of num_generations={num_generations}: the "
+            f"{num_generations} samples of every prompt must be in the same batch, on adjacent rows."
+        )
+    return x.view(-1, num_generations)
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def grpo_advantages(scores: torch.Tensor, num_generations: int, scale_rewards="group") -> torch.Tensor:
+    """GRPO's per-sequence advantage, with TRL 1.16 GRPOTrainer's arithmetic.
+
+    ``A_i = (s_i - mean_g) / (std + 1e-4)``: ``mean_g`` the mean of the scores of ``i``'s group;
+    ``std`` by ``scale_rewards``: ``"group"`` (TRL's default) the unbiased (N - 1) std of ``i``'s
+    group, ``"batch"`` the unbiased std of every score of the batch (all processes: TRL gathers
+    the rewards before it; the mean is still the group's), ``"none"`` no division (Dr. GRPO).
+    Naive form::
+
+        for p in range(B // G):
+            group = scores[p*G:(p+1)*G]
+            for i in range(G):
+                A[p*G+i] = group[i] - mean(group)          # "none"
+                A[p*G+i] /= stdev(group) + 1e-4             # "group"; "batch": stdev(all scores)
+
+    Args:
+        scores: ``(B,)`` one scalar per sequence (see :func:`sequence_returns`).
+        num_generations: ``G >= 2``, the samples per prompt; ``B`` a multiple of it.
+        scale_rewards: ``"group"``, ``"batch"``, ``"none"``, or TRL's True / False.
+
+    Returns:
+        ``(B,)`` in the scores' float dtype (at least float32). A group of equal scores gets 0.
+        ``"batch"`` is a collective when ``torch.distributed`` is initialised.
+    """
+    _check_num_generations(num_generations, 2, "advantage_estimator='grpo'")
+    scale = resolve_scale_rewards(scale_rewards)
+    x = grouped(_float(scores), num_generations)
+    advantages = x - x.mean(dim=1, keepdim=True)
+    if scale == "group":
+        advantages = advantages / (x.std(dim=1, keepdim=True) + GROUP_STD_EPS)
+    elif scale == "batch":
+        flat = x.reshape(-1)
+        _, var = F.masked_global_mean_var(flat, torch.ones_like(flat, dtype=torch.bool), unbiased=True)
+        advantages = advantages / (var.sqrt() + GROUP_STD_EPS)
+    return advantages.reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """RLOO's per-sequence advantage (Ahmadian et al. 2024; TRL 1.16 RLOOTrainer): the score
+    minus the mean of the other ``G - 1`` scores of its group, ``A_i = s_i - (sum_g - s_i) / (G - 1)``
+    (equal to ``G / (G - 1) * (s_i - mean_g)``). TRL's optional ``normalize_advantages`` (off by
+    default) is not applied. Naive form::
+
+        for p in range(B // G):
+            for i in range(G):
+                others = [scores[p*G+j] for j in range(G) if j != i]
+                A[p*G+i] = scores[p*G+i] - sum(others) / (G - 1)
+
+    Args:
+        scores: ``(B,)`` one scalar per sequence (see :func:`sequence_returns`).
+        num_generations: ``G >= 2`` (with one sample there is no other to compare with:
+            ``ValueError``, as TRL's RLOOConfig refuses it).
+
+    Returns:
+        ``(B,)`` in the scores' float dtype (at least float32); a group's advantages sum to 0.
+    """
+    _check_num_generations(num_generations, 2, "advantage_estimator='rloo'")
+    x = grouped(_float(scores), num_generations)
+    baseline = (x.sum(dim=1, keepdim=True) - x) / (num_generations - 1)
+    return (x - baseline).reshape(-1)
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262; OpenRLHF's ``reinforce``): the discounted
+    return-to-go of every action token, whitened over the whole batch.
+
+    For row b with action positions ``i_1 < ... < i_n``: ``R[i_k] = r[i_k] + gamma * R[i_{k+1}]``
+    (``R[i_{n+1}] = 0``). Environment tokens (``action_mask`` False inside the response) are not
+    steps: their rewards are not read and they do not discount (as
+    ``functional.action_masked_gae``, of which this is the case ``V = 0``, ``lambda = 1``). The
+    advantages are ``functional.masked_global_whiten(R, action_mask)``: mean and unbiased std
+    over every action token of the batch, on all processes. Naive form::
+
+        for b in range(B):
+            idx = action_mask[b].nonzero()[:, 0]; running = 0
+            for k in reversed(range(len(idx))):
+                running = r[b, idx[k]] + gamma * running; R[b, idx[k]] = running
+        A = (R - mean(R[action_mask])) / sqrt(var(R[action_mask]) + 1e-8)   # 0 off the mask
+
+    Args:
+        token_rewards: ``(B, T)`` shaped rewards: ``-kl_coef * kl`` per action token, the
+            sequence score added on the last action token, per-token rewards where they were
+            earned (``functional.shaped_rewards`` over ``action_mask``).
+        action_mask: bool ``(B, T)``.
+        gamma: discount in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, both ``(B, T)``, exactly 0 off the action tokens; the returns
+        are ``R`` before whitening.
+    """
+    values = torch.zeros_like(token_rewards, dtype=F._float_dtype(token_rewards))
+    returns, _ = F.action_masked_gae(token_rewards, values, action_mask, action_mask, gamma, 1.0)
+    return F.masked_global_whiten(returns, action_mask), returns
+
+
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor,
+    non_score_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_generations: int,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (OpenRLHF's ``reinforce_baseline``): each score minus the mean score
+    of its group, then :func:`reinforce_pp_advantages` on the shaped rewards built with it.
+
+    The steps, in OpenRLHF's order: ``s'_i = s_i - mean_g`` (no division by the std); the token
+    rewards are ``non_score_rewards`` plus ``s'_i`` on row i's last action token; discounted
+    returns over the action tokens; global whitening. (OpenRLHF also forces ``gamma = 1`` for
+    this estimator; here ``gamma`` is used as given, and ``PPOConfig.gamma`` defaults to 1.)
+
+    Args:
+        scores: ``(B,)`` sequence scores.
+        non_score_rewards: ``(B, T)`` the per-token part of the reward: ``-kl_coef * kl`` plus
+            any per-token (process) reward; not centred.
+        action_mask: bool ``(B, T)``.
+        num_generations: ``G >= 2``; ``B`` a multiple of it.
+        gamma: discount in [0, 1].
+
+    Returns:
+        ``(advantages, returns)`` as :func:`reinforce_pp_advantages`.
+    """
+    _check_num_generations(num_generations, 2, "advantage_estimator='reinforce_pp_baseline'")
+    x = grouped(_float(scores), num_generations)
+    centred = (x - x.mean(dim=1, keepdim=True)).reshape(-1)
+    token_rewards = _with_score_on_last_action(non_score_rewards, centred, action_mask)
+    return reinforce_pp_advantages(token_rewards, action_mask, gamma)
+
+
+def _with_score_on_last_action(non_score_rewards, scores, action_mask) -> torch.Tensor:
+    """``non_score_rewards`` (0 off the mask) + ``scores[b]`` at row b's last action token."""
+    dtype = F._float_dtype(non_score_rewards, scores)
+    positions = torch.arange(action_mask.shape[1], device=action_mask.device)
+    at_end = positions[None, :] == F.last_valid_index(action_mask)[:, None]
+    base = torch.where(action_mask, non_score_rewards.to(dtype), 0)
+    return base + torch.where(at_end, scores.to(dtype)[:, None], 0)
+
+
+def broadcast_sequence_advantages(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """A group estimator's per-sequence advantage on every action token of its row; exactly 0
+    elsewhere (prompt padding, environment tokens, after the stop token).
+
+    Naive form: ``out[b, t] = advantages[b] if action_mask[b, t] else 0``.
+
+    Args:
+        advantages: ``(B,)``. action_mask: bool ``(B, T)``.
+
+    Returns:
+        ``(B, T)`` in the advantages' float dtype.
+
+    >>> broadcast_sequence_advantages(torch.tensor([2.0, -1.0]), torch.tensor([[True, False, True], [True] * 3]))
+    tensor([[ 2.,  0.,  2.],
+            [-1., -1., -1.]])
+    """
+    F._check_mask(action_mask, "action_mask")
+    if action_mask.dim() != 2 or advantages.shape != action_mask.shape[:1]:
+        raise ValueError(
+            f"advantages must have shape (B,) and action_mask (B, T) with the same B, got {tuple(advantages.shape)} "
+            f"and {tuple(action_mask.shape)}"
+        )
+    values = _float(advantages)
+    return torch.where(action_mask, values[:, None], torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def sequence_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar a group estimator compares: each row's undiscounted sum of its shaped rewards
+    over the action tokens, ``sum_t r[b, t]`` where ``action_mask[b, t]``: score + per-token
+    rewards - ``kl_coef`` * summed KL (TRL RLOO's sequence-level KL penalty; TRL GRPO puts its
+    KL in the loss instead, so with ``kl_coef=0``, TRL GRPO's default ``beta=0``, the two agree).
+
+    Args:
+        token_rewards: ``(B, T)``. action_mask: bool ``(B, T)``.
+
+    Returns:
+        ``(B,)``, the rewards' float dtype (at least float32).
+    """
+    F._check_mask(action_mask, "action_mask")
+    F._check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
+    values = _float(token_rewards)
+    return torch.where(action_mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum(dim=1)
+
+
+def group_reward_metrics(scores: torch.Tensor, num_generations: int) -> dict[str, torch.Tensor]:
+    """The group figures TRL GRPO logs, under its names, plus OpenRLHF's mean group std.
+
+    * ``reward_std``: TRL's: the unbiased std of every score of the batch (all processes).
+    * ``frac_reward_zero_std``: TRL's: the fraction of groups whose scores are all equal
+      (``isclose(std, 0)``), i.e. that give every sample a zero advantage. TRL computes it from
+      the batch std under ``scale_rewards="batch"``; here it is always the groups'.
+    * ``group_reward_std``: the mean over groups of each group's unbiased std (OpenRLHF's
+      ``group_reward_std``); TRL has no name for it.
+
+    With ``G = 1`` every group's std is 0 (TRL's convention for one sample). A collective when
+    ``torch.distributed`` is initialised (every process must call it).
+
+    Args:
+        scores: ``(B,)``. num_generations: ``G >= 1``; ``B`` a multiple of it.
+
+    Returns:
+        0-dim float tensors, detached.
+    """
+    x = grouped(_float(scores.detach()), num_generations)
+    group_std = x.std(dim=1) if num_generations > 1 else torch.zeros_like(x[:, 0])
+    zero = torch.isclose(group_std, torch.zeros_like(group_std)).to(x.dtype)
+    every = torch.ones_like(group_std, dtype=torch.bool)
+    flat = x.reshape(-1)
+    _, batch_var = F.masked_global_mean_var(flat, torch.ones_like(flat, dtype=torch.bool), unbiased=True)
+    frac_zero, _ = F.masked_global_mean_var(zero, every)
+    mean_std, _ = F.masked_global_mean_var(group_std, every)
+    return {"reward_std": batch_var.sqrt(), "frac_reward_zero_std": frac_zero, "group_reward_std": mean_std}
+
+
+@torch.no_grad()
+def estimator_targets(
+    rollout: Rollout,
+    *,
+    advantage_estimator: str,
+    num_generations: int,
+    kl_coef: float,
+    kl_estimator: str,
+    missing_eos_penalty: float | None,
+    whiten_rewards: bool,
+    whiten_advantages: bool,
+    gamma: float,
+    lam: float,
+    value_lam: float | None = None,
+    lam_length_alpha: float | None = None,
+    scale_rewards="group",
+    action_mask: Optional[torch.Tensor] = None,
+) -> PPOTargets:
+    """The update's targets under ``advantage_estimator``; the arguments of
+    ``advantages.compute_targets`` plus the estimator's.
+
+    ``"gae"`` is ``compute_targets`` with the same arguments (``num_generations`` and
+    ``scale_rewards`` unused). Otherwise no value is read, and:
+
+    1. ``scores``: the rollout's, minus ``missing_eos_penalty`` where no stop token came;
+    2. ``kl``, ``non_score_rewards = -kl_coef * kl`` and the shaped ``rewards`` on the action
+       tokens (score on the last one, per-token rewards added; a non-zero one on an
+       environment token is an error), as ``compute_targets`` builds them;
+    3. ``advantages``: ``"grpo"`` / ``"rloo"``: :func:`grpo_advantages` / :func:`rloo_advantages`
+       of :func:`sequence_returns`, broadcast over the action tokens; ``"reinforce_pp"``:
+       :func:`reinforce_pp_advantages` of ``rewards``; ``"reinforce_pp_baseline"``:
+       :func:`reinforce_pp_baseline_advantages` (the group mean off the scores first);
+    4. ``returns``: the REINFORCE++ discounted returns; zeros for the group estimators.
+
+    ``whiten_rewards``, ``whiten_advantages``, ``lam``, ``value_lam`` and ``lam_length_alpha``
+    are GAE's: the group estimators normalise by their own rule (``scale_rewards``; RLOO none,
+    TRL's default) and REINFORCE++ always whitens. ``gamma`` is read by REINFORCE++ only.
+
+    Args:
+        rollout: reads ``scores``, ``has_stop``, ``logprobs``, ``ref_logprobs``,
+            ``response_mask``, ``token_rewards`` (``values`` for ``"gae"`` only).
+        action_mask: bool ``(B, T)`` inside ``response_mask``; None: the rollout's
+            ``action_mask`` when it has one, else ``response_mask``.
+
+    Returns:
+        ``PPOTargets``; ``raw_advantage_mean`` / ``raw_advantage_std`` are taken over the action
+        tokens before REINFORCE++'s whitening.
+    """
+    gae_settings = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, missing_eos_penalty=missing_eos_penalty,
+                        whiten_rewards=whiten_rewards, whiten_advantages=whiten_advantages, gamma=gamma, lam=lam,
+                        value_lam=value_lam, lam_length_alpha=lam_length_alpha)
+    if needs_critic(advantage_estimator):
+        return compute_targets(rollout, **gae_settings)
+    mask = rollout.response_mask
+    actions = action_mask if action_mask is not None else getattr(rollout, "action_mask", None)
+    actions = mask if actions is None else actions
+    scores = rollout.scores
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
+    kl = F.kl_penalty(rollout.logprobs, rollout.ref_logprobs, kl_estimator).masked_fill(~actions, 0.0)
+    rewards, non_score = F.shaped_rewards(
+        rollout.logprobs, rollout.ref_logprobs, scores, actions, kl_coef, kl_estimator, kl=kl
+    )
+    per_token = non_score
+    if rollout.token_rewards is not None:
+        F.check_rewards_on_actions(rollout.token_rewards, mask, actions)
+        added = rollout.token_rewards.masked_fill(~actions, 0.0)
+        rewards, per_token = rewards + added, non_score + added
+    zeros = torch.zeros_like(rewards)
+    if advantage_estimator in ("grpo", "rloo"):
+        totals = sequence_returns(rewards, actions)
+        if advantage_estimator == "grpo":
+            sequence = grpo_advantages(totals, num_generations, scale_rewards)
+        else:
+            sequence = rloo_advantages(totals, num_generations)
+        advantages, returns = broadcast_sequence_advantages(sequence, actions).to(rewards.dtype), zeros
+        raw = advantages
+    elif advantage_estimator == "reinforce_pp":
+        advantages, returns = reinforce_pp_advantages(rewards, actions, gamma)
+        raw = returns
+    else:
+        advantages, returns = reinforce_pp_baseline_advantages(scores, per_token, actions, num_generations, gamma)
+        raw = returns
+    raw_mean, raw_var = F.masked_global_mean_var(raw, actions)
+    return PPOTargets(
+        scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
+        returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
+    )
+
+
+def estimator_settings(args) -> dict:
+    """The keyword arguments of :func:`estimator_targets` read from a config, all but ``kl_coef``:
+    ``advantages.target_settings(args)`` plus ``advantage_estimator``, ``num_generations`` and
+    ``scale_rewards`` (defaults ``"gae"``, 1, ``"group"`` for a config without them)."""
+    return {**target_settings(args), "advantage_estimator": getattr(args, "advantage_estimator", "gae"),
+            "num_generations": getattr(args, "num_generations", 1),
+            "scale_rewards": getattr(args, "scale_rewards", "group")}
