@@ -209,17 +209,19 @@ def test_sigkill_during_update_4_then_resume_matches_a_straight_run(tmp_path, st
 
 
 @pytest.mark.slow
-def test_episodes_of_a_rollout_func_resume_exactly_after_sigkill(tmp_path):
-    # the rollout_func's environment replies and the policy's turns draw from the run's RNG
+@pytest.mark.parametrize("flag, key", [("--episodes", "rollout/turns_mean"), ("--generations", "frac_reward_zero_std")])
+def test_episodes_and_several_samples_per_prompt_resume_exactly_after_sigkill(tmp_path, flag, key):
+    # --episodes: the rollout_func's environment replies and the policy's turns draw from the run's RNG;
+    # --generations: each prompt sampled twice, the GRPO estimator, no critic
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
-    straight = _run(straight_dir, "straight", "--episodes")
+    straight = _run(straight_dir, "straight", flag)
     assert straight.returncode == 0, straight.stderr[-4000:]
-    killed = _run(killed_dir, "killed", "--episodes")
+    killed = _run(killed_dir, "killed", flag)
     assert killed.returncode == -9, killed.stderr[-4000:]
-    resumed = _run(killed_dir, "resume", "--episodes")
+    resumed = _run(killed_dir, "resume", flag)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     _assert_resume_matches(straight_dir, killed_dir)
-    assert all("rollout/turns_mean" in log for log in json.loads((killed_dir / "logs_resume.json").read_text()))
+    assert all(key in log for log in json.loads((killed_dir / "logs_resume.json").read_text()))
 
 
 @pytest.mark.slow

@@ -49,10 +49,11 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from . import critic_warmup, inputs
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation
-from .advantages import PPOTargets, compute_targets, target_settings
+from .advantages import PPOTargets
+from .agents.tool_loop import ToolLoopStats
 from .batching import BatchPlan, micro_batch_rows, split_to_count
 from .config import PPOConfig, as_ppo_config, mixed_precision
-from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths
+from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths, repeat_prompts
 from .distributed import (
     accumulation_step,
     configure_deepspeed,
@@ -61,6 +62,7 @@ from .distributed import (
     process_state,
 )
 from .episodes import continuation_rows, episode_has_stop, pad_episodes, padded_prompts, rollout_outputs
+from .estimators import estimator_settings, estimator_targets, group_reward_metrics
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
 from .generation.mismatch import sampling_weights
@@ -128,6 +130,9 @@ from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
 
+# The metrics a run without a critic does not log (see PPOTrainer.update_metrics).
+CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
+
 
 @dataclass
 class OnlineTrainerState(TrainerState):
@@ -152,7 +157,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     meaning: one tokenizer or None per reward model, ``reward_model`` first; a model of another
     vocabulary scores its own rendering of the text, see ``reward_text``), ``eval_metrics``,
     ``rollout_func`` (TRL GRPO's: ``rollout_func(prompts, trainer) -> dict`` owns generation,
-    e.g. an episode with turns; see :meth:`generate_episodes` and :meth:`generate_continuations`).
+    e.g. an episode with turns; see :meth:`generate_episodes` and :meth:`generate_continuations`),
+    ``tools`` and ``environment_factory`` (TRL GRPO's: functions the model may call, and a factory
+    of per-rollout environments whose public methods are tools, with ``reset(**row)`` and an
+    optional ``get_reward``; ``trl_ppo_ext.agents``).
     """
 
     _tag_names = ["trl", "ppo", "trl-ppo-ext"]
@@ -179,6 +187,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         reward_funcs=None,
         reward_processing_classes=None,
         rollout_func=None,
+        tools=None,
+        environment_factory=None,
     ) -> None:
         # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
         args = as_ppo_config(args if args is not None else inputs.default_args(model))
@@ -192,7 +202,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                             f"{type(rollout_func).__name__}")
         self.rollout_func = rollout_func
         self._generating_policy = None  # the policy a rollout_func's generate_continuations samples with
-        self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights)
+        self.agent_rollout = self._build_agent_rollout(tools, environment_factory, model, train_dataset)
+        self._tool_stats = ToolLoopStats()  # the tool loop's counts of this update's rollouts, on this process
+        self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights,
+                                     self.agent_rollout.reward_functions() if self.agent_rollout else ())
         check_prompt_dataset(train_dataset, processing_class)
         assembly.check_separate_reference(model, ref_model)
         # a token classifier (TRL's PRMTrainer) is a process reward: its step scores on the separators
@@ -207,9 +220,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.train_dataset_len = len(train_dataset)
+        # episodes (completions) per pass over the prompts: each prompt is sampled num_generations times
+        self.episodes_per_epoch = self.train_dataset_len * args.num_generations
 
-        wrapper = assembly.build_policy_and_value(model, value_model, peft_config)
-        self.policy_model, self.value_model = wrapper.policy, value_model if value_model is not None else wrapper
+        # a critic-free estimator: no value head, adapter or model anywhere (a value model given is dropped, warned)
+        wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic)
+        self.policy_model = wrapper.policy
+        self.value_model = None if not wrapper.has_value else value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
         self.model_adapter_name, self.ref_adapter_name = args.model_adapter_name, args.ref_adapter_name
         self.stop_token_ids = generation_stop_ids(args, processing_class, wrapper.policy)
@@ -242,6 +259,29 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._setup_run_control(eval_metrics)
         self.engine = self._build_engine() if args.use_vllm else None
 
+    def _build_agent_rollout(self, tools, environment_factory, model, train_dataset):
+        """The tool loop of a run with ``tools`` or an ``environment_factory`` (``agents.AgentRollout``:
+        TRL's checks of the chat template and the environments run here), or None."""
+        if not tools and environment_factory is None:
+            return None
+        if self.rollout_func is not None:
+            raise ValueError("Pass either rollout_func or tools / environment_factory: with tools the trainer "
+                             "runs the episodes itself (as TRL GRPO does), and a rollout_func would replace them.")
+        from .agents import AgentRollout
+
+        args = self.args
+        max_model_len = args.vllm_max_model_length if args.use_vllm else None
+        if max_model_len is None:
+            max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        sample_row = None
+        if environment_factory is not None and train_dataset is not None and len(train_dataset):
+            sample_row = {k: v for k, v in train_dataset[0].items() if k not in PromptCollator.TOKEN_KEYS}
+        return AgentRollout(
+            self.processing_class, tools=tools, environment_factory=environment_factory,
+            response_length=args.response_length, max_tool_calling_iterations=args.max_tool_calling_iterations,
+            chat_template_kwargs=args.chat_template_kwargs, tool_timeout=args.tool_timeout,
+            max_model_len=max_model_len, sample_row=sample_row)
+
     def _build_engine(self):
         """The vLLM engine rollouts sample with (``use_vllm``), built from the policy itself (the
         causal LM, or the ``PeftModel`` whose policy adapter it samples with; never the value
@@ -270,7 +310,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             args.kl_horizon if args.adaptive_kl else None,
         )
         self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
-        self.guards = GuardRails(args.guard_settings(), self.counters)
+        settings = args.guard_settings()
+        if not args.trains_critic:  # no critic: nothing for the value-divergence guard to read
+            settings = replace(settings, max_value_loss=None, min_explained_variance=None)
+        self.guards = GuardRails(settings, self.counters)
         self.eval_metrics = checked_eval_metrics(eval_metrics, [r.name for r in self.rewards])
         self._protected_checkpoints: set[str] = set()
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
@@ -289,7 +332,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         # One optimizer step per mini-batch, counted by accelerate independently of any
         # dataloader: with `sync_with_dataloader` (the default) accelerate forces a step on every
         # micro-batch while the train loader sits on its last batch, i.e. at every epoch end.
-        plan = BatchPlan.from_config(args, process_state().num_processes, self.train_dataset_len)
+        plan = BatchPlan.from_config(args, process_state().num_processes, self.episodes_per_epoch)
         self.accelerator = Accelerator(
             cpu=bool(getattr(args, "use_cpu", False)),
             mixed_precision=mixed_precision(args),
@@ -301,15 +344,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             configure_deepspeed(self.accelerator, args, plan)  # the engine steps and clips as the plan says
         self.plan = plan
         plan.fill_config(args)
-        if self.train_dataset_len < plan.local_batch_size:
+        prompts_per_batch = plan.local_batch_size // args.num_generations  # each sampled num_generations times
+        if self.train_dataset_len < prompts_per_batch:
             raise ValueError(
                 f"`train_dataset` has {self.train_dataset_len} prompts, fewer than one rollout batch "
-                f"(per_device_train_batch_size * gradient_accumulation_steps = {plan.local_batch_size}). Add prompts "
-                "or lower the batch size."
+                f"(per_device_train_batch_size * gradient_accumulation_steps / num_generations = {prompts_per_batch}). "
+                "Add prompts or lower the batch size."
             )
         self.local_seed = args.seed + self.accelerator.process_index * 100003
         self.sample_generations_freq = max(1, plan.num_total_batches // max(args.num_sample_generations, 1))
-        self.local_dataloader_batch_size = plan.local_batch_size
+        self.local_dataloader_batch_size = prompts_per_batch
 
     def _setup_callbacks_and_state(self, callbacks) -> None:
         # report_to backends see transformers' key convention (eval/... shown as eval/, not train/eval/)
@@ -512,7 +556,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.state.global_step = 0
         self.state.episode = 0
         self.state.max_steps = args.num_total_batches
-        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        self.state.num_train_epochs = args.total_episodes / self.episodes_per_epoch
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(args, name)
             if value is not None:
@@ -555,11 +599,17 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def produce_rollout(self) -> Rollout:
         """The next scored rollout. The synchronous default generates it now from the next
         batch; an asynchronous producer overrides this (its rollouts carry ``policy_version``)."""
-        return self.score_rollout(self.generate_rollout(next(self._batches)))
+        return self.score_rollout(self.generate_rollout(self.repeated_prompts(next(self._batches))))
+
+    def repeated_prompts(self, batch):
+        """A prompt batch with each row ``num_generations`` times on adjacent rows (``data.repeat_prompts``;
+        the group estimators read the copies of a prompt there, on this process)."""
+        return batch if self.args.num_generations == 1 else repeat_prompts(batch, self.args.num_generations)
 
     def collect_rollout(self, update: int) -> Rollout | GuardDecision:
         """``produce_rollout``; a rollout older than ``max_rollout_age`` updates is discarded and
         its prompts regenerated with the current policy (the stale-rollout guard may halt)."""
+        self._tool_stats = ToolLoopStats()
         rollout = self.produce_rollout()
         while True:
             age = self.state.global_step - rollout.policy_version
@@ -601,7 +651,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         transformers' ``generate`` samples instead."""
         args, tok = self.args, self.processing_class
         temperature = args.temperature if temperature is None else temperature
-        if self.rollout_func is not None:
+        if self.rollout_func is not None or self.agent_rollout is not None:
             return self.generate_episodes(batch, temperature)
         queries, query_mask = self._prompt_tensors(batch)
         with unwrap_model_for_generation(
@@ -674,7 +724,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         ) as unwrapped:
             self._generating_policy = unwrapped.policy
             try:
-                output = self.rollout_func(copy.deepcopy(prompts), self)
+                if self.agent_rollout is not None:  # tools / environments: the trainer's own tool loop
+                    rows = [{k: column[b] for k, column in extras.items()} for b in range(len(prompts))]
+                    output = self.agent_rollout(copy.deepcopy(rows), self.generate_continuations)
+                    self._tool_stats = self._tool_stats + self.agent_rollout.last_stats
+                else:
+                    output = self.rollout_func(copy.deepcopy(prompts), self)
             finally:
                 self._generating_policy = None
         outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length)
@@ -872,8 +927,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return reward_model_scores(model, part, inputs, self.accelerator.autocast)
 
     def compute_advantages(self, rollout: Rollout) -> PPOTargets:
-        """The update's targets (``advantages.compute_targets``) at the KL controller's current coefficient."""
-        return compute_targets(rollout, kl_coef=self.kl_controller.value, **target_settings(self.args))
+        """The update's targets at the KL controller's current coefficient: the critic's GAE
+        (``advantages.compute_targets``) or the configured ``advantage_estimator``
+        (``estimators.estimator_targets``)."""
+        return estimator_targets(rollout, kl_coef=self.kl_controller.value, **estimator_settings(self.args))
 
     def ppo_update(self, rollout: Rollout, adv: PPOTargets, update: int) -> tuple[dict, GuardDecision]:
         """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
@@ -887,6 +944,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         decision = GuardDecision.keep_going({})
         slices = self.plan.mini_batch_slices()
         tokens_only = replace(rollout, extras={})  # the loss reads no dataset column: no host index per micro-batch
+        # what a preempted checkpoint keeps: live environment objects cannot be saved (nor loaded weights_only)
+        saved = replace(rollout, extras={k: v for k, v in rollout.extras.items() if k != "environments"})
         for epoch in range(start.epoch if start else 0, self.plan.num_ppo_epochs):
             resuming = start is not None and epoch == start.epoch and start.order is not None
             order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
@@ -894,7 +953,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 decision = self._minibatch_step(tokens_only, adv, order[slices[index]], update, stats)
                 if decision.halt:
                     return _stack_stats(stats), decision
-                stop_if_preempted(rollout, adv, (epoch, index), order, stats, num_ppo_epochs=self.plan.num_ppo_epochs,
+                stop_if_preempted(saved, adv, (epoch, index), order, stats, num_ppo_epochs=self.plan.num_ppo_epochs,
                                   num_mini_batches=self.plan.num_mini_batches, rollout_age=self.counters.rollout_age,
                                   stop_agreed=lambda: self._sigterm.stop_agreed(self.accelerator))
         return _stack_stats(stats), decision
@@ -1011,11 +1070,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
         weights = None if mb.engine_logprobs is None else self.sampling_weights(mb)  # sampled by vLLM
+        settings = loss_settings(self.args)
+        if not self.args.trains_critic:  # no critic: its values are zeros without a graph, and no value loss counts
+            settings["vf_coef"] = 0.0
         return ppo_loss(
             new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
             advantages=adv.advantages, returns=adv.returns, response_mask=mb.loss_mask, num_tokens=num_tokens,
             pg_weights=weights, num_sequences=num_sequences, max_completion_length=self.args.response_length,
-            **loss_settings(self.args),
+            **settings,
         )
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
@@ -1030,6 +1092,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """This update's statistics, averaged over every process (``metrics.update_metrics``),
         the per-reward columns and the run's counters."""
         metrics = update_metrics(rollout, adv, stats, gather=self.accelerator.gather, device=self.accelerator.device)
+        if not self.args.trains_critic:  # a critic-free estimator: no value loss, values or returns to report
+            for key in CRITIC_METRICS:
+                metrics.pop(key, None)
+        if self.args.num_generations > 1:  # TRL GRPO's group figures (a collective: every process calls it)
+            metrics.update({k: float(v) for k, v in group_reward_metrics(rollout.scores, self.args.num_generations)
+                            .items()})
         metrics.update(self._reward_metrics(rollout))
         metrics.update(sampling_metrics(
             rollout, gather=self.accelerator.gather, device=self.accelerator.device,
@@ -1037,9 +1105,25 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             clip_min=self.args.vllm_importance_sampling_clip_min, clip_max=self.args.vllm_importance_sampling_clip_max,
         ))
         metrics.update(self._take_reward_logs())
+        if self.agent_rollout is not None:
+            metrics.update(self._tool_metrics())
         metrics["policy/lag"] = float(self.counters.rollout_age)
         metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
         metrics["train/nonfinite_steps"] = float(self.counters.nonfinite_steps)
+        return metrics
+
+    def _tool_metrics(self) -> dict[str, float]:
+        """TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and ``tools/loop_exhausted_frac``
+        and ``rollout/turns_max``, of this update's tool loops summed over every process (one gather)."""
+        stats = self._tool_stats
+        local = torch.tensor([[stats.rollouts, stats.calls, stats.failures, stats.turns, stats.exhausted,
+                               stats.turns_max]], dtype=torch.float64, device=self.accelerator.device)
+        rows = self.accelerator.gather(local).reshape(-1, 6)
+        sums = rows.sum(0).tolist()
+        total = ToolLoopStats(rollouts=int(sums[0]), calls=int(sums[1]), failures=int(sums[2]), turns=int(sums[3]),
+                              exhausted=int(sums[4]), turns_max=int(rows[:, 5].max()))
+        metrics = total.metrics()
+        metrics.pop("rollout/turns_mean")  # the action mask's figure is logged already (metrics.update_statistics)
         return metrics
 
     def _take_reward_logs(self, logs: RewardLogs | None = None) -> dict[str, float]:
@@ -1068,7 +1152,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         metrics["eps"] = int((self.state.episode - self._start_episode) / elapsed)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["episode"] = self.state.episode
-        self.state.epoch = self.state.episode / self.train_dataset_len
+        self.state.epoch = self.state.episode / self.episodes_per_epoch
         self.state.global_step += 1
         now = self._last_update_time = time.time()
         # an evaluation, and the update a guard halted at, are never dropped

@@ -7,6 +7,7 @@
     ppo_resume.py OUT resume           resumes from the latest checkpoint in OUT, to update 6
     ... --use_vllm                     the same with rollouts sampled by a colocated vLLM engine
                                        (head_dim 64 models; tests/generation/test_vllm_trainer.py)
+    ... --generations                  the same with 2 samples per prompt and the GRPO estimator (no critic)
     ... --episodes                     the same with episodes of a rollout_func whose environment
                                        replies draw from the run's RNG
 
@@ -54,7 +55,10 @@ if __name__ == "__main__":
         num_mini_batches=2,
         num_ppo_epochs=2, save_strategy="no" if mode == "straight" else "steps", save_steps=1,
         adaptive_kl=True, kl_target=0.01, kl_horizon=100, save_total_limit=3,
+        **(dict(num_generations=2, advantage_estimator="grpo") if "--generations" in sys.argv[3:] else {}),
     )
+    if args.advantage_estimator != "gae":
+        value = None
     cls = {"killed": KilledDuringUpdate4, "preempted": PreemptedDuringUpdate4}.get(mode, PPOTrainer)
     if use_vllm:  # small engines: eager, a 64 MiB KV cache
         cls = type(cls.__name__, (cls,), {"vllm_engine_kwargs": {"enforce_eager": True,

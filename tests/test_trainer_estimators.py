@@ -1,0 +1,102 @@
+"""PPOTrainer with several samples per prompt and the critic-free estimators (GRPO, RLOO, REINFORCE++)."""
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
+
+
+def _value_names(module):
+    return [n for n, _ in module.named_parameters() if "value" in n.lower() or "score" in n.lower()]
+
+
+def _capture_rollouts(trainer):
+    seen = []
+    original = trainer.compute_advantages
+    trainer.compute_advantages = lambda rollout: seen.append((rollout, t := original(rollout))) or t
+    return seen
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_a_critic_free_run_trains_no_value_parameter_anywhere(make_trainer, estimator):
+    with pytest.warns(UserWarning, match="value"):  # a value model given anyway is unused, and said so
+        trainer = make_trainer(num_generations=2, advantage_estimator=estimator)
+    assert trainer.value_model is None and not trainer.unwrapped.has_value
+    assert _value_names(trainer.unwrapped) == []
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in trainer.unwrapped.policy.parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.policy.named_parameters()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2
+    for log in logs:
+        assert not {"loss/value_avg", "val/clipfrac_avg", "val/explained_variance"} & set(log)
+        assert {"reward_std", "frac_reward_zero_std"} <= set(log)
+    after = dict(trainer.unwrapped.policy.named_parameters())
+    assert any(not torch.equal(after[n], v) for n, v in before.items())
+
+
+def test_num_generations_samples_each_prompt_on_adjacent_rows_and_counts_completions(make_trainer):
+    trainer = make_trainer(num_generations=2, advantage_estimator="grpo", value_model=None, scale_rewards="group")
+    assert trainer.local_dataloader_batch_size == 2  # 4 completions per rollout: 2 prompts, 2 samples each
+    seen = _capture_rollouts(trainer)
+    trainer.train()
+    assert trainer.state.episode == 8 and trainer.args.batch_size == 4  # completions, as GRPO counts them
+    for rollout, targets in seen:
+        q, m = rollout.queries, rollout.query_mask
+        assert torch.equal(q[0::2], q[1::2]) and torch.equal(m[0::2], m[1::2])  # the copies of a prompt
+        assert not torch.equal(q[0], q[2])  # two prompts per batch of four
+        # GRPO by hand: each sequence's shaped reward minus its pair's mean, over the pair's std (+1e-4)
+        total = targets.rewards.sum(1).view(-1, 2)
+        expected = (total - total.mean(1, keepdim=True)) / (total.std(1, keepdim=True) + 1e-4)
+        first_token = targets.advantages[:, 0].view(-1, 2)
+        assert torch.allclose(first_token, expected, atol=1e-5)
+        # the advantage is the same on every token of a sequence, 0 off it
+        mask = rollout.loss_mask
+        assert torch.equal(targets.advantages.masked_fill(~mask, 0), targets.advantages)
+        rows = targets.advantages.masked_fill(~mask, float("nan"))
+        assert torch.allclose(rows.nanmean(1), targets.advantages[:, 0], atol=1e-6)
+
+
+def test_gae_with_several_samples_keeps_the_critic(make_trainer):
+    trainer = make_trainer(num_generations=2)
+    assert trainer.value_model is not None
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "objective/scores" in h][-1]
+    assert "loss/value_avg" in log and "frac_reward_zero_std" in log
+
+
+def test_a_critic_free_shared_lora_model_has_no_value_head(make_trainer):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(ref_model=None, value_model=None, peft_config=lora, num_generations=2,
+                           advantage_estimator="rloo")
+    assert isinstance(trainer.unwrapped, SharedActorCritic) and not trainer.unwrapped.has_value
+    trainable = [n for n, p in trainer.unwrapped.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.train()
+
+
+def test_a_batch_that_is_not_a_multiple_of_num_generations_names_both_fields(make_config):
+    with pytest.raises(ValueError, match=r"num_generations.*per_device_train_batch_size|"
+                                         r"per_device_train_batch_size.*num_generations"):
+        make_config(per_device_train_batch_size=3, num_generations=2)
+
+
+def test_group_estimators_compose_with_episodes_over_the_action_tokens(make_trainer):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from tiny_setup import two_turn_rollout
+
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    trainer = make_trainer(tok, num_generations=2, advantage_estimator="grpo", value_model=None,
+                           rollout_func=two_turn_rollout(tok))
+    seen = _capture_rollouts(trainer)
+    trainer.train()
+    for rollout, targets in seen:
+        env = rollout.response_mask & ~rollout.action_mask
+        assert env.any() and (targets.advantages[env] == 0).all()

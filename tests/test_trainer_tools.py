@@ -1,0 +1,186 @@
+"""A GRPO user's agent script (``tools=``, ``environment_factory=``, reward functions reading
+``environments=``) with the trainer's class changed: PPOTrainer runs TRL's tool loop itself."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_ppo_ext import PPOConfig, PPOTrainer
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+
+    Returns:
+        The product.
+    """
+    return a * b
+
+
+class Vault:
+    """One per rollout: the code is the row's `target`; its method `try_code` is the tool."""
+
+    def reset(self, target, **row):
+        self.target, self.opened = target, False
+
+    def try_code(self, code: int) -> str:
+        """
+        Try a code on the vault.
+
+        Args:
+            code: The code to try.
+        """
+        self.opened = code == self.target
+        return "open" if self.opened else "locked"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
+
+
+class ScriptedTurns(PPOTrainer):
+    """The policy's turns replayed from a script (a random tiny policy never writes a tool call):
+    the first turn calls the tool, the second answers. Everything else is the trainer's."""
+
+    first_turn = CALL.format(name="multiply", args='{"a": 6, "b": 7}')
+
+    def generate_continuations(self, prefixes, max_new_tokens, temperature=None):
+        tok = self.processing_class
+        texts = [self.first_turn if "<tool_response>" not in tok.decode(p) else "42<|im_end|>" for p in prefixes]
+        budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else max_new_tokens
+        ids = [tok(t, add_special_tokens=False).input_ids[:n] for t, n in zip(texts, budgets)]
+        return ids, [[-0.5] * len(row) for row in ids]
+
+
+def _config(tmp_path, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, total_episodes=4,
+                  response_length=128, num_ppo_epochs=1, num_mini_batches=1, local_rollout_forward_batch_size=2,
+                  learning_rate=1e-3, report_to=[], disable_tqdm=True, num_sample_generations=0,
+                  save_strategy="no", logging_steps=1, seed=0, bf16=False, max_tool_calling_iterations=2,
+                  chat_template_kwargs={"enable_thinking": False})
+    kwargs.update(overrides)
+    return PPOConfig(**kwargs)
+
+
+def _data(n=4):
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": "6*7?"}], "target": 40 + i} for i in range(n)])
+
+
+@pytest.fixture(scope="module")
+def policy_and_tok():
+    tok = build_tiny_chat_tokenizer()
+    return build_tiny_causal_lm(tok, max_position_embeddings=1024), tok
+
+
+def _logs(trainer):
+    return [h for h in trainer.state.log_history if "objective/scores" in h]
+
+
+def test_a_grpo_tools_script_trains_with_the_class_changed(tmp_path, policy_and_tok):
+    policy, tok = policy_and_tok
+    seen = {}
+
+    def correct(completions, **kwargs):  # TRL's: one message list per rollout, the last one the answer
+        seen["completions"] = completions
+        return [float("42" in (c[-1].get("content") or "")) for c in completions]
+
+    trainer = ScriptedTurns(model=policy, processing_class=tok, reward_funcs=[correct], args=_config(tmp_path),
+                            train_dataset=_data(), tools=[multiply])
+    batches = []
+    trainer.score_rollout = lambda sample, _orig=trainer.score_rollout: batches.append(r := _orig(sample)) or r
+    trainer.train()
+    logs = _logs(trainer)
+    assert len(logs) == 2
+    for log in logs:
+        assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
+        assert log["rewards/correct/mean"] == 1.0 and log["rollout/turns_mean"] == 2.0
+    roles = [m["role"] for m in seen["completions"][0]]
+    assert roles == ["assistant", "tool", "assistant"] and seen["completions"][0][1]["content"] == "42"
+    for rollout in batches:  # the tool's reply and the next header are environment tokens, the two turns actions
+        env = rollout.response_mask & ~rollout.action_mask
+        assert env.any(1).all() and (rollout.action_mask.sum(1) == rollout.action_mask.sum(1)[0]).all()
+        text = tok.decode(rollout.responses[0][env[0]].tolist())
+        assert "<tool_response>" in text and "42" in text
+
+
+def test_a_grpo_environment_script_trains_with_the_class_changed(tmp_path, policy_and_tok):
+    policy, tok = policy_and_tok
+    got = {}
+
+    def reads_environments(completions, environments, **kwargs):
+        got["environments"] = environments
+        return [0.5 * env.opened for env in environments]
+
+    class VaultTurns(ScriptedTurns):
+        first_turn = CALL.format(name="try_code", args='{"code": 41}')
+
+    trainer = VaultTurns(model=policy, processing_class=tok, reward_funcs=[reads_environments],
+                         args=_config(tmp_path), train_dataset=_data(), environment_factory=Vault)
+    trainer.train()
+    logs = _logs(trainer)
+    assert len(logs) == 2 and all(isinstance(e, Vault) for e in got["environments"])
+    # rows' targets 40..43: code 41 opens exactly one vault of the four -> Vault's own reward is 1/4 on average
+    assert sum(log["rewards/Vault/mean"] for log in logs) / 2 == pytest.approx(0.25)
+    assert all(log["tools/call_frequency"] == 1.0 for log in logs)
+
+
+def test_environment_rewards_alone_are_enough(tmp_path, policy_and_tok):
+    policy, tok = policy_and_tok
+    trainer = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path), train_dataset=_data(),
+                            environment_factory=Vault)
+    assert [r.name for r in trainer.rewards] == ["Vault"] and trainer.rewards[0].weight == 1.0
+
+
+def test_an_unscripted_policy_runs_the_tool_loop_end_to_end(tmp_path, policy_and_tok):
+    policy, tok = policy_and_tok  # a random policy: no tool call, every episode one turn long
+    trainer = PPOTrainer(model=policy, processing_class=tok, reward_funcs=[lambda completions, **kw: [0.0] *
+                         len(completions)], args=_config(tmp_path, total_episodes=2), train_dataset=_data(2),
+                         tools=[multiply])
+    trainer.train()
+    assert _logs(trainer)[0]["tools/call_frequency"] == 0.0
+
+
+def test_tools_and_rollout_func_together_are_refused(tmp_path, policy_and_tok):
+    policy, tok = policy_and_tok
+    with pytest.raises(ValueError, match="either rollout_func or tools"):
+        PPOTrainer(model=policy, processing_class=tok, reward_funcs=[lambda completions, **kw: [0.0]],
+                   args=_config(tmp_path), train_dataset=_data(), tools=[multiply],
+                   rollout_func=lambda prompts, trainer: {})
+
+
+def test_an_environment_without_reset_is_refused_at_construction(tmp_path, policy_and_tok):
+    policy, tok = policy_and_tok
+
+    class NoReset:
+        def poke(self) -> str:
+            """Poke."""
+            return "ouch"
+
+    with pytest.raises(Exception, match="NoReset"):
+        PPOTrainer(model=policy, processing_class=tok, args=_config(tmp_path), train_dataset=_data(),
+                   environment_factory=NoReset)
+
+
+def test_preempted_checkpoints_leave_the_environments_out(tmp_path, policy_and_tok):
+    from trl_ppo_ext.run.preemption import InflightUpdate, UpdatePreempted
+
+    policy, tok = policy_and_tok
+    trainer = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path, num_mini_batches=2),
+                            train_dataset=_data(), environment_factory=Vault)
+    trainer._sigterm.stop_agreed = lambda accelerator: True
+    rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+    assert "environments" in rollout.extras
+    with pytest.raises(UpdatePreempted) as stop:
+        trainer.ppo_update(rollout, trainer.compute_advantages(rollout), 1)
+    path = tmp_path / "inflight.pt"
+    stop.value.inflight.save(str(path))
+    loaded = InflightUpdate.load(str(path), torch.device("cpu"))  # weights_only: no live object inside
+    assert "environments" not in loaded.rollout["extras"] and "target" in loaded.rollout["extras"]
