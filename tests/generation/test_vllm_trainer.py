@@ -217,3 +217,51 @@ def test_two_processes_each_sample_with_their_own_engine(tmp_path):
         assert len(r["logs"]) == 2  # 16 episodes, 8 per update over both processes
         diffs = [log["sampling/sampling_logp_difference/max"] for log in r["logs"]]
         assert all(math.isfinite(d) and d < LOGP_BOUND for d in diffs), diffs
+
+
+def test_a_tool_episode_samples_on_the_engine_and_matches_the_transformers_path(tmp_path):
+    # one episode per prompt: a scripted tool call (the tiny policy never writes one), the tool's reply as
+    # environment tokens, then the real policy's answer sampled on the engine. The same script through
+    # transformers' generate gives the same prompt ids, tool-call ids, suffix ids and masks up to the answer.
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from test_trainer_tools import CALL, _config, _data, multiply
+
+    from trl_ppo_ext import PPOTrainer
+    from trl_ppo_ext.tiny import build_tiny_chat_tokenizer
+
+    class FirstTurnScripted:
+        def generate_continuations(self, prefixes, max_new_tokens, temperature=None):
+            tok = self.processing_class
+            if all("<tool_response>" in tok.decode(p) for p in prefixes):
+                return super().generate_continuations(prefixes, max_new_tokens, temperature)
+            ids = [tok(CALL.format(name="multiply", args='{"a": 6, "b": 7}'), add_special_tokens=False).input_ids
+                   for _ in prefixes]
+            return ids, [[float("nan")] * len(row) for row in ids]  # scripted: no sampler log-prob
+
+    tok = build_tiny_chat_tokenizer()
+    shapes = {**VLLM_SHAPES, "max_position_embeddings": 1024}
+    samples = {}
+    for engine in ("vllm", "generate"):
+        cls = type("Scripted", (FirstTurnScripted, VllmTrainer if engine == "vllm" else PPOTrainer), {})
+        args = _config(tmp_path / engine, use_vllm=engine == "vllm", temperature=1.0, total_episodes=2,
+                       vllm_max_model_length=1024 if engine == "vllm" else None)
+        trainer = cls(model=build_tiny_causal_lm(tok, seed=0, **shapes), processing_class=tok,
+                      reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                      train_dataset=_data(2), tools=[multiply])
+        rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
+        samples[engine] = rollout
+        if engine == "vllm":
+            trainer.close_engine()
+    a, b = samples["vllm"], samples["generate"]
+    assert torch.equal(a.queries, b.queries) and torch.equal(a.query_mask, b.query_mask)
+    for r in (a, b):
+        env = r.response_mask & ~r.action_mask
+        assert env.any(1).all()
+    # everything up to the end of the tool suffix is the same on both engines
+    first_env_end = (a.response_mask & ~a.action_mask).int().cumsum(1).argmax(1)
+    for row, end in enumerate(first_env_end.tolist()):
+        assert torch.equal(a.responses[row, :end + 1], b.responses[row, :end + 1])
+        assert torch.equal(a.action_mask[row, :end + 1], b.action_mask[row, :end + 1])
+    # the engine's log-probs on its own tokens agree with the trainer's forward; the scripted ones are missing
+    answer = a.action_mask & ~torch.isnan(a.engine_logprobs)
+    assert answer.any() and (a.engine_logprobs[answer] - a.logprobs[answer]).abs().max() < LOGP_BOUND
