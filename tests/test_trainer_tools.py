@@ -1,26 +1,20 @@
 """A GRPO user's agent script (``tools=``, ``environment_factory=``, reward functions reading
 ``environments=``) with the trainer's class changed: PPOTrainer runs TRL's tool loop itself."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from datasets import Dataset
 
-from trl_ppo_ext import PPOConfig, PPOTrainer
+from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from tiny_setup import TOOL_CALL as CALL  # noqa: E402
+from tiny_setup import multiply, tool_config, tool_dataset  # noqa: E402
 
-def multiply(a: int, b: int) -> int:
-    """
-    Multiply two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-
-    Returns:
-        The product.
-    """
-    return a * b
+_config, _data = tool_config, tool_dataset
 
 
 class Vault:
@@ -43,7 +37,6 @@ class Vault:
         return float(self.opened)
 
 
-CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
 
 
 class ScriptedTurns(PPOTrainer):
@@ -58,20 +51,6 @@ class ScriptedTurns(PPOTrainer):
         budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else max_new_tokens
         ids = [tok(t, add_special_tokens=False).input_ids[:n] for t, n in zip(texts, budgets)]
         return ids, [[-0.5] * len(row) for row in ids]
-
-
-def _config(tmp_path, **overrides):
-    kwargs = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, total_episodes=4,
-                  response_length=128, num_ppo_epochs=1, num_mini_batches=1, local_rollout_forward_batch_size=2,
-                  learning_rate=1e-3, report_to=[], disable_tqdm=True, num_sample_generations=0,
-                  save_strategy="no", logging_steps=1, seed=0, bf16=False, max_tool_calling_iterations=2,
-                  chat_template_kwargs={"enable_thinking": False})
-    kwargs.update(overrides)
-    return PPOConfig(**kwargs)
-
-
-def _data(n=4):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": "6*7?"}], "target": 40 + i} for i in range(n)])
 
 
 @pytest.fixture(scope="module")

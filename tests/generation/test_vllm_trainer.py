@@ -223,8 +223,10 @@ def test_a_tool_episode_samples_on_the_engine_and_matches_the_transformers_path(
     # one episode per prompt: a scripted tool call (the tiny policy never writes one), the tool's reply as
     # environment tokens, then the real policy's answer sampled on the engine. The same script through
     # transformers' generate gives the same prompt ids, tool-call ids, suffix ids and masks up to the answer.
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from test_trainer_tools import CALL, _config, _data, multiply
+    from tiny_setup import TOOL_CALL as CALL
+    from tiny_setup import multiply
+    from tiny_setup import tool_config as _config
+    from tiny_setup import tool_dataset as _data
 
     from trl_ppo_ext import PPOTrainer
     from trl_ppo_ext.tiny import build_tiny_chat_tokenizer

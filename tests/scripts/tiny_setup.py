@@ -139,6 +139,44 @@ def two_turn_rollout(tokenizer, first_turn=2, reply_length=2, reply_words=10):
     return rollout_func
 
 
+# ---------------------------------------------------------------- tools (tests/test_trainer_tools.py)
+TOOL_CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+
+    Returns:
+        The product.
+    """
+    return a * b
+
+
+def tool_config(tmp_path, **overrides):
+    """A PPOConfig for a tool run on the tiny chat tokenizer: long enough for a tool call and its answer."""
+    from trl_ppo_ext import PPOConfig
+
+    kwargs = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, total_episodes=4,
+                  response_length=128, num_ppo_epochs=1, num_mini_batches=1, local_rollout_forward_batch_size=2,
+                  learning_rate=1e-3, report_to=[], disable_tqdm=True, num_sample_generations=0,
+                  save_strategy="no", logging_steps=1, seed=0, bf16=False, max_tool_calling_iterations=2,
+                  chat_template_kwargs={"enable_thinking": False})
+    kwargs.update(overrides)
+    return PPOConfig(**kwargs)
+
+
+def tool_dataset(n=4):
+    """``n`` conversational prompts with a ``target`` column (40, 41, ...)."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": "6*7?"}], "target": 40 + i} for i in range(n)])
+
+
 # Shapes vLLM's CPU attention accepts (head_dim 64, not the default 16), for the use_vllm tests.
 VLLM_SHAPES = {"hidden_size": 128, "num_heads": 2, "max_position_embeddings": 64}
 
