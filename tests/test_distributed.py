@@ -33,7 +33,7 @@ def _launch(args, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe", "shared", "budget", "episodes"])
+@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools"])
 def test_two_process_train(tmp_path, mode):
     proc = _launch([str(SCRIPT), str(tmp_path), mode])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -59,6 +59,9 @@ def test_two_process_train(tmp_path, mode):
         assert all(r["micro_batch_counts"] == [1] * 8 for r in ranks)
     if mode == "recipe":  # issue 21: the warm-up's first update held the policy on both processes alike
         assert all([log["train/critic_warmup"] for log in r["logs"]] == [1.0, 0.0] for r in ranks)
+    if mode == "tools":  # one scripted call per episode on each process, counted over both
+        assert all(log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
+                   and log["rollout/turns_mean"] == 2.0 for r in ranks for log in r["logs"])
     if mode == "episodes":  # the reply words are environment tokens on both processes
         assert all(0 < log["rollout/env_token_frac"] < 1 and log["rollout/turns_mean"] == 2.0
                    for r in ranks for log in r["logs"])

@@ -12,17 +12,32 @@ from pathlib import Path
 import torch
 from peft import LoraConfig
 from tiny_setup import (  # beside this file
+    TOOL_CALL,
+    multiply,
     prompt_dataset,
     record_optimizer_steps,
     run_and_exit,
     tiny_config,
     tiny_models,
+    tool_dataset,
     two_turn_rollout,
 )
 
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.models.actor_critic import VALUE_ADAPTER_NAME, SharedActorCritic
-from trl_ppo_ext.tiny import build_tiny_tokenizer
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer, build_tiny_tokenizer
+
+
+class ToolTurns(PPOTrainer):
+    """tools mode: the first turn calls `multiply` (scripted), the answer is the policy's own."""
+
+    def generate_continuations(self, prefixes, max_new_tokens, temperature=None):
+        tok = self.processing_class
+        if all("<tool_response>" in tok.decode(p) for p in prefixes):
+            return super().generate_continuations(prefixes, max_new_tokens, temperature)
+        call = TOOL_CALL.format(name="multiply", args='{"a": 6, "b": 7}')
+        ids = [tok(call, add_special_tokens=False).input_ids for _ in prefixes]
+        return ids, [[float("nan")] * len(row) for row in ids]
 
 
 def main() -> None:
@@ -56,15 +71,26 @@ def main() -> None:
             log_metric("reporter/only_rank1", 5.0)  # a name the other process never logs
         log_extra("rank", [rank_now] * len(completions))
         return [0.0] * len(completions)
-    trainer = PPOTrainer(
+    if mode == "tools":  # each process runs its own tool loop; the tool metrics are summed over both
+        tok = build_tiny_chat_tokenizer()
+        policy, ref = (build_tiny_causal_lm(tok, seed=0, max_position_embeddings=1024) for _ in range(2))
+        value = reward = None
+    cls = ToolTurns if mode == "tools" else PPOTrainer
+    tools = dict(response_length=128, chat_template_kwargs={"enable_thinking": False}, max_tool_calling_iterations=1)
+    tool_inputs = dict(tools=[multiply], reward_funcs=[lambda completions, **kw: [float(len(completions[0]))] *
+                                                       len(completions)]) if mode == "tools" else {}
+    trainer = cls(
+        **tool_inputs,
         args=tiny_config(out, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          num_mini_batches=2, num_ppo_epochs=2, **(extra if with_eval else {}),
-                         **(recipe if mode == "recipe" else {}), **(budget if mode == "budget" else {})),
+                         **(recipe if mode == "recipe" else {}), **(budget if mode == "budget" else {}),
+                         **(tools if mode == "tools" else {})),
         processing_class=tok, model=policy, ref_model=None if peft or shared else ref, reward_model=reward,
-        train_dataset=prompt_dataset(tok, n=12), value_model=None if shared else value, eval_dataset=eval_dataset,
+        train_dataset=tool_dataset(12) if mode == "tools" else prompt_dataset(tok, n=12),
+        value_model=None if shared else value, eval_dataset=eval_dataset,
         peft_config=lora if peft else None,
         eval_metrics={"prompt_words": lambda prompts, completions: [len(p.split()) for p in prompts]},
-        reward_funcs=[reporter] if with_eval else None,
+        **({} if mode == "tools" else {"reward_funcs": [reporter] if with_eval else None}),
         # episodes: a rollout_func with environment replies on each process (GAE over the action tokens)
         rollout_func=two_turn_rollout(tok) if mode == "episodes" else None,
     )
