@@ -136,7 +136,8 @@ def test_loss_ignores_everything_outside_the_response_mask():
     )
     adv = SimpleNamespace(advantages=torch.randn(B, T), returns=torch.randn(B, T))
     args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01,
-                           cliprange_high=None, dual_clip=None, loss_type="dapo", response_length=T)
+                           cliprange_high=None, dual_clip=None, loss_type="dapo", response_length=T,
+                           trains_critic=True)
     class FakeTrainer(SimpleNamespace):
         response_forward = PPOTrainer.response_forward
 
