@@ -215,7 +215,9 @@ def print_summary(summary: dict, path: str) -> None:
     print(f"Task: {summary['task']}")
     for key, title in (("accuracy", "held-out accuracy, sampled"), ("call_rate", "held-out tool-call rate"),
                        ("accuracy_when_called", "accuracy of episodes that call")):
-        print(f"{title:<34} before {summary[key + '_before']:6.3f}   after {summary[key + '_after']:6.3f}")
+        before, after = (f"{v:6.3f}" if isinstance(v, float) else f"{v!s:>6}" for v in
+                         (summary[key + "_before"], summary[key + "_after"]))  # "nan" when no episode called
+        print(f"{title:<34} before {before}   after {after}")
     print(f"tools/call_frequency: first update {summary['call_frequency_first_update']:.3f}, last "
           f"{summary['call_frequency_last_update']:.3f}")
     print(f"wall time: {summary['wall_time_s']:.1f} s (SFT {summary['sft_time_s']:.1f} s, PPO "
