@@ -1,0 +1,33 @@
+"""The temperature a tool episode samples at: the one the rollout was asked for, greedy included."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import trl_ppo_ext.trainer as trainer_module
+from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from tiny_setup import multiply, tool_config, tool_dataset  # noqa: E402
+
+
+@pytest.mark.xfail(strict=True, reason="generate_continuations reads `_episode_temperature or args.temperature`: "
+                   "a rollout asked for at temperature 0.0 (greedy) samples at args.temperature")
+def test_a_greedy_tool_rollout_generates_greedily(tmp_path, monkeypatch):
+    tok = build_tiny_chat_tokenizer()
+    trainer = PPOTrainer(model=build_tiny_causal_lm(tok, max_position_embeddings=1024), processing_class=tok,
+                         reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                         args=tool_config(tmp_path, temperature=0.7, response_length=4),
+                         train_dataset=tool_dataset(2), tools=[multiply])
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(args[3] if len(args) > 3 else kwargs["temperature"])  # sampling_config(width, stops, pad, t)
+        return sampling_config(*args, **kwargs)
+
+    sampling_config = trainer_module.sampling_config
+    monkeypatch.setattr(trainer_module, "sampling_config", recording)
+    trainer.generate_rollout(next(iter(trainer.dataloader)), temperature=0.0)
+    assert seen and all(t == 0.0 for t in seen), seen  # today: [0.7]
