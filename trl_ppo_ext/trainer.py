@@ -731,7 +731,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 else:
                     output = self.rollout_func(copy.deepcopy(prompts), self)
             finally:
-                self._generating_policy = None
+                self._generating_policy = self._episode_temperature = None
         outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length)
         responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
         queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
@@ -775,8 +775,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 f"generate_continuations needs non-empty prefixes and one max_new_tokens >= 1 per prefix; got "
                 f"{len(prefixes)} prefixes (lengths {[len(p) for p in prefixes]}) and max_new_tokens={max_new_tokens}"
             )
-        if temperature is None:
-            temperature = getattr(self, "_episode_temperature", None) or args.temperature
+        if temperature is None:  # the rollout's (0.0 included: a greedy evaluation), else the config's
+            temperature = getattr(self, "_episode_temperature", None)
+            temperature = args.temperature if temperature is None else temperature
         if self._generating_policy is None:  # called outside a rollout: gather/unwrap the policy here
             with unwrap_model_for_generation(
                 self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
