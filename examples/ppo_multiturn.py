@@ -20,7 +20,7 @@ Nothing is downloaded. The run:
 4. before and after PPO: episodes on held-out prompts (topics never seen in training) sampled
    at the training temperature, their reward and the two turn scores; printed with sample
    episodes and written to ``<output_dir>/summary.json`` (per-update metrics, the turn figures
-   ``episodes/*`` among them, in ``log_history.json``).
+   ``rollout/turns_mean`` and ``rollout/env_token_frac`` among them, in ``log_history.json``).
 
 Why these settings: the ones of ``examples/ppo_lora.py``'s demo (LoRA r 8, alpha 16, lr 5e-3),
 with ``kl_coef`` 0.02 (the reward is at most 1 and comes once per episode), and the package's
