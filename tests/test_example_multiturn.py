@@ -137,7 +137,7 @@ def test_example_learns_in_a_subprocess(tmp_path):
                                            "held_out_episodes": 48}
     history = json.loads((out / "log_history.json").read_text())
     updates = [h for h in history if "objective/scores" in h]
-    assert len(updates) == 16
+    assert len(updates) == 8  # 16 updates, logged every 2 (logging_steps)
     # two policy turns per episode, 8 of its at most 14 tokens from the environment
     assert all(h["rollout/turns_mean"] == 2.0 and 8 / 14 <= h["rollout/env_token_frac"] < 1 for h in updates)
     assert all(math.isfinite(h["rewards/multiturn_reward/mean"]) for h in updates)
