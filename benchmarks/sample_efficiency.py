@@ -46,6 +46,13 @@ The tasks (``TASKS``):
   ``<eos>`` after 24 or more words. Credit has to travel back ~30 tokens: the setting the critic
   recipe was made for. The demo's PPO settings with kl_coef 0.01 (``LONG_SETTINGS``); 2048
   episodes. Both trainers get the rule (TRL's as ``RuleRewardModel``).
+* ``multiturn``: ``examples/ppo_multiturn.py``: episodes with turns from its ``rollout_func``
+  (answer 1, the environment's 8-token verdict, answer 2; one reward at the end that depends on
+  both answers), a tiny random Llama (saved once per seed) with the example's LoRA and PPO
+  settings (768 episodes = 24 updates of 32, ``gamma`` 1, ``lam`` 0.95). Its ``reward`` is the
+  mean episode reward of the update's rollout. This package's trainer only (TRL 1.12's has no
+  ``rollout_func``); the arm ``step_through`` runs GAE through the environment's tokens as if
+  they were actions (``step_through_gae``), against ``defaults``' GAE over the action tokens.
 
 TRL's trainer needs a separate value model: as TRL's example script does, it is initialised
 from the reward model (synthetic) or, with no reward model, from the SFT checkpoint with a
@@ -108,6 +115,9 @@ class Arm:
     # with its own value adapter, SharedActorCritic(value_lora_config=...)), "separate" (TRL's value
     # model, every weight trained) or "lora" (that value model trained as a LoRA adapter + head)
     critic: str = "shared"
+    # ours, on episodes with turns: "actions" (the package's GAE over the policy's own tokens) or
+    # "step_through" (environment tokens as steps with value and reward 0: step_through_gae)
+    gae: str = "actions"
 
 
 # The recipe's values: VC-PPO/VAPO (2503.01491, 2504.05118), DAPO's clip-higher (2503.14476),
@@ -137,6 +147,10 @@ ARMS["recipe_short"] = Arm({**ARMS["recipe"].overrides, "lam_length_alpha": SHOR
                            note="every recipe element, the short responses' alpha")
 
 
+ARMS["step_through"] = Arm(gae="step_through", note="GAE steps through environment tokens (OpenRLHF, SkyRL)")
+GAE_MODES = ("actions", "step_through")
+
+
 def parse_arm(text: str) -> tuple[str, Arm]:
     """``NAME:field=value,field=value`` (values as JSON, else strings; ``reward=...`` picks the
     reward variant, ``trainer=trl112`` TRL's trainer) -> ``(NAME, Arm)``."""
@@ -152,7 +166,7 @@ def parse_arm(text: str) -> tuple[str, Arm]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        (extra if key in ("reward", "trainer", "critic") else overrides)[key.strip()] = value
+        (extra if key in ("reward", "trainer", "critic", "gae") else overrides)[key.strip()] = value
     return name, Arm(overrides, note="from --arm", **extra)
 
 
@@ -190,6 +204,7 @@ TASKS = {
                           rewards=("default", "process", "process_prefix", "final", "other_vocab")),
     "verifiable": TaskSpec(episodes=4096, hidden_size=32, reward_name="accuracy", batch_size=64),
     "long": TaskSpec(episodes=2048, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32),
+    "multiturn": TaskSpec(episodes=768, hidden_size=32, reward_name="episode reward (0 .. 1)", batch_size=32),
 }
 # The long task: the synthetic task's words and prompts, responses of up to LONG_RESPONSE_LENGTH
 # tokens, one reward at the end that only a long answer earns (see long_task_reward). Its PPO
@@ -247,12 +262,18 @@ def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> Non
     torch.set_num_threads(1)
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if task_name == "long":  # the initial policy, so that every trainer starts from the same weights
-        from synthetic_task import build_task
-
+    if task_name in ("long", "multiturn"):  # the initial policy, so that every arm starts from the same weights
         from trl_ppo_ext.tiny import build_tiny_causal_lm
 
-        policy = build_tiny_causal_lm(build_task(seed).tokenizer, seed=seed, hidden_size=hidden_size)
+        if task_name == "long":
+            from synthetic_task import build_task
+
+            tokenizer = build_task(seed).tokenizer
+        else:
+            from multiturn_task import build_task
+
+            tokenizer = build_task().tokenizer
+        policy = build_tiny_causal_lm(tokenizer, seed=seed, hidden_size=hidden_size)
         policy.save_pretrained(tmp / "policy")
         info = {}
     elif task_name == "synthetic":
@@ -479,6 +500,67 @@ def critic_as(critic: str, value, lora):
     return value
 
 
+def step_through_gae(rewards, values, response_mask, action_mask, gamma: float, lam: float,
+                     value_lam: float | None = None):
+    """GAE that steps through environment tokens as if they were actions (OpenRLHF, SkyRL): the
+    benchmark's ``step_through`` arm, against the package's GAE over the action tokens only.
+
+    At an environment position the reward and the value are taken as 0, but the recursion still
+    steps there: each such token adds a factor ``gamma * lam`` between the action tokens around
+    it, and the last action token before a reply bootstraps against ``V = 0`` instead of the value
+    of the next action. Advantages and returns are then kept on the action tokens only (the loss
+    never reads the others). Equivalent to::
+
+        r, V = where(action_mask, rewards, 0), where(action_mask, values, 0)
+        A, R = functional.masked_gae_decoupled(r, V, response_mask, gamma, lam, value_lam)
+        A, R = where(action_mask, A, 0), where(action_mask, R, 0)
+
+    Args:
+        rewards, values: (B, T) float, the shaped rewards and the critic's values.
+        response_mask: (B, T) bool, the real response tokens (a prefix per row).
+        action_mask: (B, T) bool, inside ``response_mask``: the tokens the policy sampled.
+        gamma, lam, value_lam: as in ``PPOConfig`` (``value_lam`` None: ``lam``).
+
+    Returns:
+        ``(advantages, returns)``, (B, T), 0 off ``action_mask``.
+    """
+    import torch
+
+    from trl_ppo_ext import functional as F
+
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    rewards, values = torch.where(action_mask, rewards, zero), torch.where(action_mask, values, zero)
+    advantages, returns = F.masked_gae_decoupled(rewards, values, response_mask, gamma, lam, value_lam)
+    return torch.where(action_mask, advantages, zero), torch.where(action_mask, returns, zero)
+
+
+def step_through_trainer(base):
+    """``base`` (this package's PPOTrainer) with ``compute_advantages`` replaced by
+    ``step_through_gae`` on episodes with turns; rewards, KL, the loss and whitening stay over
+    the action tokens, exactly as the package computes them."""
+    import dataclasses as dc
+
+    from trl_ppo_ext import functional as F
+
+    class StepThroughTrainer(base):
+        def compute_advantages(self, rollout):
+            targets = super().compute_advantages(rollout)
+            if rollout.action_mask is None:  # no environment tokens: nothing to step through
+                return targets
+            args, mask = self.args, rollout.action_mask
+            if args.lam_length_alpha is not None:
+                raise ValueError("the step_through arm takes a fixed lam; unset lam_length_alpha")
+            advantages, returns = step_through_gae(targets.rewards, rollout.values, rollout.response_mask, mask,
+                                                   args.gamma, args.lam, args.value_lam)
+            mean, var = F.masked_global_mean_var(advantages, mask)
+            if args.whiten_advantages:
+                advantages = F.masked_global_whiten(advantages, mask)
+            return dc.replace(targets, advantages=advantages, returns=returns, raw_advantage_mean=mean,
+                              raw_advantage_std=var.sqrt())
+
+    return StepThroughTrainer
+
+
 def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: int, hidden_size: int,
             out: Path) -> int:
     """Train one (arm, seed); write a row per update to ``out`` (``.partial`` until done). Returns the updates."""
@@ -499,6 +581,10 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     if arm.reward != "default" and arm.trainer == "trl112":
         raise ValueError(f"reward variant {arm.reward!r} needs this package's trainer; TRL 1.12's takes one reward "
                          "model of the policy's vocabulary.")
+    if arm.gae not in GAE_MODES or (arm.gae != "actions" and arm.trainer == "trl112"):
+        raise ValueError(f"gae={arm.gae!r}: this package's arms take {', '.join(map(repr, GAE_MODES))}.")
+    if task_name == "multiturn" and arm.trainer == "trl112":
+        raise ValueError("the multiturn task needs rollout_func, which TRL 1.12's PPOTrainer does not take.")
     if arm.trainer == "trl112":
         from trl_ppo_ext._compat import load_trl_ppo
 
@@ -506,6 +592,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     else:
         from trl_ppo_ext import PPOConfig as config_cls
         from trl_ppo_ext import PPOTrainer as trainer_cls
+
+        if arm.gae == "step_through":
+            trainer_cls = step_through_trainer(trainer_cls)
 
     common = dict(output_dir=str(out.parent / f".{out.stem}_trainer"), total_episodes=episodes,
                   num_sample_generations=0, eval_strategy="no", save_strategy="no", logging_steps=1,
@@ -606,6 +695,28 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             values = seen[:]
             seen.clear()
             return (sum(values) / len(values) if values else None), len(values)
+    elif task_name == "multiturn":
+        from multiturn_task import build_task, make_reward, make_rollout_func, prompt_dataset
+        from ppo_multiturn import PPO_DEFAULTS, TaskArguments
+
+        task_args = TaskArguments()
+        task = build_task(task_args.first_turn_tokens)
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        config = config_cls(**{**{k: v for k, v in PPO_DEFAULTS.items() if k in names}, **common, **arm.overrides})
+        policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
+        lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
+                          target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
+        if arm.critic in ("separate", "lora"):
+            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "policy", num_labels=1)
+            models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
+                          peft_config=lora)
+        else:
+            models = dict(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
+        models.update(reward_model=None, reward_funcs=[make_reward(task)], rollout_func=make_rollout_func(task),
+                      train_dataset=prompt_dataset(task, repeats=task_args.train_repeats))
+
+        def batch_reward(logs):
+            return logs.get("rewards/multiturn_reward/mean"), None
     else:
         from ppo_verifiable import PPO_DEFAULTS, TaskArguments, ppo_prompts, reward_functions
         from verifiable_task import build_task, split_pairs
@@ -974,7 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
     arms.update(parse_arm(text) for text in args.arm)
     if args.list_arms:
         for name, arm in arms.items():
-            print(f"{name:14} {arm.trainer:7} reward={arm.reward:8} {json.dumps(arm.overrides)}  {arm.note}")
+            gae = f" gae={arm.gae}" if arm.gae != "actions" else ""
+            print(f"{name:14} {arm.trainer:7} reward={arm.reward:8}{gae} {json.dumps(arm.overrides)}  {arm.note}")
         return 0
     wanted = list(dict.fromkeys(args.arms + [parse_arm(t)[0] for t in args.arm]))
     unknown = [a for a in wanted if a not in arms]
