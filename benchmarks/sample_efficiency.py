@@ -470,9 +470,10 @@ def verifiable_rule(task, *, weights: tuple[float, float, float], response_lengt
 CRITICS = ("shared", "value_lora", "separate", "lora")
 
 
-def shared_actor_critic(critic: str, policy, lora):
+def shared_actor_critic(critic: str, policy, lora, config=None):
     """The examples' shared LoRA actor-critic; with ``critic="value_lora"`` the critic gets its own
-    adapter of ``lora``'s rank and targets (the LM head excepted) on the same base."""
+    adapter of ``lora``'s rank and targets (the LM head excepted) on the same base. Without a value
+    head when ``config`` trains no critic (a critic-free ``advantage_estimator``)."""
     from peft import LoraConfig
 
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
@@ -481,6 +482,8 @@ def shared_actor_critic(critic: str, policy, lora):
     if critic == "value_lora":
         value_lora = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
                                 target_modules=[t for t in lora.target_modules if t != "lm_head"])
+    if not getattr(config, "trains_critic", True):
+        return SharedActorCritic(policy, lora_config=lora, with_value=False)
     return SharedActorCritic(policy, lora_config=lora, value_lora_config=value_lora)
 
 
@@ -635,7 +638,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             models.update(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
                           peft_config=lora)
         else:
-            models.update(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
+            models.update(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
         if arm.reward != "default":  # the reward variants: the true reward read from the policy's own ids
             seen: list[float] = []
 
@@ -674,7 +677,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
                           peft_config=lora)
         else:
-            models = dict(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
+            models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
         if arm.trainer == "trl112":
             def rule(ids):
                 value = long_task_reward(task, response_after_marker(ids, marker, pad))
@@ -752,7 +755,8 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                 models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
                               peft_config=lora)
             else:
-                models = dict(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
+                models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None,
+                              value_model=None)
             models.update(reward_model=None, reward_funcs=reward_functions(task, config, task_args),
                           train_dataset=prompts)
 

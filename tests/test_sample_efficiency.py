@@ -283,3 +283,24 @@ def test_step_through_arm_parses_and_is_refused_where_it_cannot_run(se):
     for bad, message in ((se.Arm(gae="sideways"), "gae="), (se.Arm(trainer="trl112"), "rollout_func")):
         with pytest.raises(ValueError, match=message):
             se.run_one("multiturn", bad, 0, model_dir=Path("unused"), episodes=1, hidden_size=8, out=Path("unused"))
+
+
+def test_shared_actor_critic_has_a_value_head_only_when_the_estimator_trains_a_critic(se, tmp_path):
+    from peft import LoraConfig
+
+    from trl_ppo_ext import PPOConfig
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    built = {}
+    for estimator, generations in (("gae", 1), ("grpo", 4), ("reinforce_pp", 1)):
+        config = PPOConfig(output_dir=str(tmp_path), advantage_estimator=estimator, num_generations=generations,
+                           per_device_train_batch_size=4, report_to="none")
+        model = se.shared_actor_critic("shared", build_tiny_causal_lm(tok, hidden_size=8), lora, config)
+        built[estimator] = (model.has_value, any("value" in n for n, _ in model.named_parameters()))
+    # without a config (TRL's own config, or a PPOConfig before the estimators): a value head, as before
+    model = se.shared_actor_critic("shared", build_tiny_causal_lm(tok, hidden_size=8), lora)
+    built["no config"] = (model.has_value, any("value" in n for n, _ in model.named_parameters()))
+    assert built == {"gae": (True, True), "grpo": (False, False), "reinforce_pp": (False, False),
+                     "no config": (True, True)}
