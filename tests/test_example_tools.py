@@ -118,7 +118,17 @@ def test_bad_flags_are_refused_before_anything_is_built(flag, value, message):
 ACCURACY_GAIN, CALL_RATE_GAIN, CALL_RATE_AFTER = 0.2, 0.2, 0.9
 
 
+def _newest_trl() -> bool:
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("trl")) >= Version("1.16")
+
+
+# ~45 s of SFT and PPO: run in one environment only (CI's newest-TRL one), not again under older TRLs
 @pytest.mark.slow
+@pytest.mark.skipif(not _newest_trl(), reason="the whole tools run is checked in the newest-TRL environment only")
 def test_the_example_learns_to_call_the_tool(tmp_path):
     out = tmp_path / "tools"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
