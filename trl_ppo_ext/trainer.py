@@ -202,6 +202,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                             f"{type(rollout_func).__name__}")
         self.rollout_func = rollout_func
         self._generating_policy = None  # the policy a rollout_func's generate_continuations samples with
+        self._episode_temperature = None  # the temperature the rollout in progress was asked for
+        self._episode_logprobs = True  # whether its turns need the sampler's log-probs (see generate_episodes)
         self.agent_rollout = self._build_agent_rollout(tools, environment_factory, model, train_dataset)
         self._tool_stats = ToolLoopStats()  # the tool loop's counts of this update's rollouts, on this process
         self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights,
@@ -726,12 +728,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             try:
                 if self.agent_rollout is not None:  # tools / environments: the trainer's own tool loop
                     rows = [{k: column[b] for k, column in extras.items()} for b in range(len(prompts))]
+                    # the sampler's log-probs are read only with vLLM (importance weights): without it the
+                    # trainer's own forward gives them, so the tool loop's turns skip a second one
+                    self._episode_logprobs = args.use_vllm
                     output = self.agent_rollout(copy.deepcopy(rows), self.generate_continuations)
                     self._tool_stats = self._tool_stats + self.agent_rollout.last_stats
                 else:
                     output = self.rollout_func(copy.deepcopy(prompts), self)
             finally:
                 self._generating_policy = self._episode_temperature = None
+                self._episode_logprobs = True
         outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length)
         responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
         queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
@@ -750,7 +756,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     @torch.no_grad()
     def generate_continuations(self, prefixes: list[list[int]], max_new_tokens: int | list[int],
-                               temperature: float | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                               temperature: float | None = None, *, logprobs: bool | None = None,
+                               ) -> tuple[list[list[int]], list[list[float]]]:
         """Continue token-id prefixes with the current policy, for a ``rollout_func``'s turns.
 
         Samples on the run's engine (the vLLM engine with ``use_vllm``, else transformers'
@@ -761,6 +768,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             prefixes: B token-id lists (each a whole conversation so far: prompt, earlier turns,
                 environment replies), none empty.
             max_new_tokens: the most new tokens, one for all rows or one per row (>= 1 each).
+            logprobs: False: NaN for every log-prob where ``generate`` sampled (skips the
+                policy's forward that computes them; the vLLM engine returns its own anyway).
+                None: True, except in the trainer's own tool loop without vLLM, which reads none.
 
         Returns:
             ``(ids, logprobs)``: per row the new ids, ending with the first stop token when one
@@ -775,38 +785,40 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 f"generate_continuations needs non-empty prefixes and one max_new_tokens >= 1 per prefix; got "
                 f"{len(prefixes)} prefixes (lengths {[len(p) for p in prefixes]}) and max_new_tokens={max_new_tokens}"
             )
+        if logprobs is None:
+            logprobs = self._episode_logprobs
         if temperature is None:  # the rollout's (0.0 included: a greedy evaluation), else the config's
-            temperature = getattr(self, "_episode_temperature", None)
-            temperature = args.temperature if temperature is None else temperature
+            temperature = args.temperature if self._episode_temperature is None else self._episode_temperature
         if self._generating_policy is None:  # called outside a rollout: gather/unwrap the policy here
             with unwrap_model_for_generation(
                 self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
             ) as unwrapped:
                 self._generating_policy = unwrapped.policy
                 try:
-                    return self.generate_continuations(prefixes, budgets, temperature)
+                    return self.generate_continuations(prefixes, budgets, temperature, logprobs=logprobs)
                 finally:
                     self._generating_policy = None
         policy, width = self._generating_policy, max(budgets)
         queries, query_mask = (t.to(self.accelerator.device) for t in padded_prompts(prefixes, tok.pad_token_id))
-        sampled = None
+        sampled = engine_logprobs = None
         if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
-            raw, logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature, width)
+            raw, engine_logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature, width)
         else:
             pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
             config = sampling_config(width, self.stop_token_ids, pad_id, temperature)
             with self.accelerator.autocast():
                 raw = generate_responses(policy, queries, query_mask, config, width, tok.pad_token_id,
                                          args.local_rollout_forward_batch_size)
-            logprobs = None
         responses, mask, _ = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
-        if logprobs is None:  # generate's sampler is the policy itself: its log-probs at the temperature
+        if engine_logprobs is None and logprobs:  # generate's sampler is the policy: its log-probs at the temperature
             part = SampledBatch(queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
                                 has_stop=mask[:, -1])
             inputs = sequence_inputs(queries, query_mask, responses, mask)
-            logprobs = reference_response_logprobs(policy, part, inputs, effective_temperature(temperature),
-                                                   self.accelerator.autocast)
-        return continuation_rows(responses, mask, logprobs, budgets)
+            engine_logprobs = reference_response_logprobs(policy, part, inputs, effective_temperature(temperature),
+                                                          self.accelerator.autocast)
+        elif engine_logprobs is None:
+            engine_logprobs = torch.full(responses.shape, float("nan"), device=responses.device)
+        return continuation_rows(responses, mask, engine_logprobs, budgets)
 
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
