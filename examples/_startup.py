@@ -45,3 +45,20 @@ def vllm_cpu_defaults(use_vllm: bool) -> None:
     if use_vllm and not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def write_run_files(trainer, output_dir: str, summary: dict) -> str | None:
+    """On the main process: ``summary.json`` (the run's figures) and ``log_history.json`` (every
+    logged update) in ``output_dir``; returns the summary's path (None on the other processes)."""
+    import json
+
+    from trl_ppo_ext.run.manifest import to_jsonable
+
+    if not trainer.accelerator.is_main_process:
+        return None
+    path = os.path.join(output_dir, "summary.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2, allow_nan=False)
+    with open(os.path.join(output_dir, "log_history.json"), "w") as f:
+        json.dump(to_jsonable(trainer.state.log_history), f, indent=1, allow_nan=False)
+    return path

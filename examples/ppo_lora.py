@@ -55,7 +55,6 @@ import time
 
 _T0 = time.perf_counter()  # the wall time reported in summary.json starts here
 
-import json  # noqa: E402
 import os  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -660,12 +659,8 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     times = {**setup.times, "ppo_train_time_s": ppo_time, "wall_time_s": time.perf_counter() - start}
     summary = build_summary(setup, trainer, before, after, script=script, model_args=model_args, threads=threads,
                             times=times)
-    if trainer.accelerator.is_main_process:
-        path = os.path.join(config.output_dir, "summary.json")
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=2, allow_nan=False)
-        with open(os.path.join(config.output_dir, "log_history.json"), "w") as f:
-            json.dump(to_jsonable(trainer.state.log_history), f, indent=1, allow_nan=False)
+    path = _startup.write_run_files(trainer, config.output_dir, summary)
+    if path is not None:
         print_summary(summary, path)
     return summary
 
