@@ -263,8 +263,10 @@ def test_grpo_targets_by_hand():
                             **SETTINGS)
     # scores after the missing-stop penalty: 1, 0, 2, 2 - 1 = 1
     assert t.scores.tolist() == [1.0, 0.0, 2.0, 1.0]
-    # sequence sums: 1 - .5 * .2 = .9; 0; 2; 1 - .5 * .4 = .8 -> centred .45, -.45, .6, -.6 on every action token
-    expected = torch.tensor([[0.45] * 3, [-0.45, -0.45, 0.0], [0.6] * 3, [-0.6] * 3])
+    # the groups compare the scores alone: (1, 0) -> .5, -.5; (2, 1) -> .5, -.5 on every action token.
+    # The KL penalty comes per token as its return-to-go: row 0 -.5 * .2 = -.1 on t1 -> (-.1, -.1, 0);
+    # row 3 -.5 * .4 = -.2 on t2 -> (-.2, -.2, -.2)
+    expected = torch.tensor([[0.4, 0.4, 0.5], [-0.5, -0.5, 0.0], [0.5] * 3, [-0.7] * 3])
     torch.testing.assert_close(t.advantages, expected, rtol=0, atol=1e-6)
     assert t.returns.eq(0).all()
     # the shaped rewards are compute_targets' (the values are never read: 5.0 everywhere)
@@ -318,8 +320,8 @@ def test_an_action_mask_moves_the_score_and_zeroes_environment_tokens():
                             action_mask=actions, **SETTINGS)
     assert t.advantages[:, 1].eq(0).all() and t.kl[:, 1].eq(0).all()
     # row 1's last action token is now t0, where its score sits; row 0's KL on t1 is no longer counted:
-    # sums 1, 0, 2, .8 -> .5, -.5, .6, -.6
-    assert t.rewards[1, 0].item() == 0.0 and t.advantages[:, 0].tolist() == pytest.approx([0.5, -0.5, 0.6, -0.6])
+    # scores 1, 0, 2, 1 -> .5, -.5, .5, -.5; row 3's KL penalty -.2 on t2 reaches t0 across the environment token
+    assert t.rewards[1, 0].item() == 0.0 and t.advantages[:, 0].tolist() == pytest.approx([0.5, -0.5, 0.5, -0.7])
 
 
 def test_a_token_reward_on_an_environment_token_is_refused():
@@ -337,3 +339,39 @@ def test_estimator_settings_read_a_config(make_config):
     settings = E.estimator_settings(config)
     assert settings["advantage_estimator"] == "gae" and settings["num_generations"] == 1
     assert settings["scale_rewards"] == "group" and settings["lam"] == config.lam
+
+
+def _kl_to_go_loop(p, mask, gamma):
+    out = torch.zeros_like(p, dtype=torch.float64)
+    for b in range(p.shape[0]):
+        running = 0.0
+        for t in reversed(range(p.shape[1])):
+            if mask[b, t]:
+                running = float(p[b, t]) + gamma * running
+                out[b, t] = running
+    return out
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
+def test_kl_to_go_matches_the_loop(gamma):
+    g = torch.Generator().manual_seed(3)
+    p = -torch.rand(5, 7, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    mask[4] = False  # a row with no action token
+    got = E.kl_to_go(p.masked_fill(~mask, 0.0), mask, gamma)
+    torch.testing.assert_close(got.double(), _kl_to_go_loop(p, mask, gamma), rtol=0, atol=1e-6)
+    assert got[~mask].eq(0).all()
+
+
+def test_grpo_a_tied_group_gets_only_the_kl_penalty_not_an_amplified_one():
+    # four equal scores whose KL differs a little: TRL GRPO gives the group advantage 0; the KL must not be
+    # divided by the group's (tiny) std and become a full-size advantage
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    logprobs = torch.full((4, 2), -1.0)
+    ref = logprobs - torch.tensor([[3.0, 0.0], [3.1, 0.0], [2.9, 0.0], [3.0, 0.0]])  # k1 = 3, 3.1, 2.9, 3
+    rollout = _rollout(torch.full((4,), 1.2), mask, logprobs, ref)
+    t = E.estimator_targets(rollout, advantage_estimator="grpo", num_generations=4, scale_rewards="group",
+                            **{**SETTINGS, "kl_coef": 0.01, "missing_eos_penalty": None})
+    # only the penalty's return-to-go: -0.01 * k1 on the first token, 0 after it
+    expected = torch.tensor([[-0.03, 0.0], [-0.031, 0.0], [-0.029, 0.0], [-0.03, 0.0]])
+    torch.testing.assert_close(t.advantages, expected, rtol=0, atol=1e-6)

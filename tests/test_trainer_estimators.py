@@ -47,16 +47,14 @@ def test_num_generations_samples_each_prompt_on_adjacent_rows_and_counts_complet
         q, m = rollout.queries, rollout.query_mask
         assert torch.equal(q[0::2], q[1::2]) and torch.equal(m[0::2], m[1::2])  # the copies of a prompt
         assert not torch.equal(q[0], q[2])  # two prompts per batch of four
-        # GRPO by hand: each sequence's shaped reward minus its pair's mean, over the pair's std (+1e-4)
-        total = targets.rewards.sum(1).view(-1, 2)
-        expected = (total - total.mean(1, keepdim=True)) / (total.std(1, keepdim=True) + 1e-4)
-        first_token = targets.advantages[:, 0].view(-1, 2)
-        assert torch.allclose(first_token, expected, atol=1e-5)
-        # the advantage is the same on every token of a sequence, 0 off it
+        # GRPO by hand: each sequence's score minus its pair's mean, over the pair's std (+1e-4) ...
+        total = targets.scores.view(-1, 2)
+        expected = ((total - total.mean(1, keepdim=True)) / (total.std(1, keepdim=True) + 1e-4)).view(-1)
+        # ... on every token, plus the KL penalty from that token to the end (gamma 1), 0 off the mask
         mask = rollout.loss_mask
-        assert torch.equal(targets.advantages.masked_fill(~mask, 0), targets.advantages)
-        rows = targets.advantages.masked_fill(~mask, float("nan"))
-        assert torch.allclose(rows.nanmean(1), targets.advantages[:, 0], atol=1e-6)
+        penalty = targets.non_score_rewards.masked_fill(~mask, 0)
+        to_go = penalty.flip(1).cumsum(1).flip(1).masked_fill(~mask, 0)
+        assert torch.allclose(targets.advantages, torch.where(mask, expected[:, None], 0) + to_go, atol=1e-5)
 
 
 def test_gae_with_several_samples_keeps_the_critic(make_trainer):

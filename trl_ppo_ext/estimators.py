@@ -14,11 +14,14 @@ completions of one prompt (the copies are adjacent, ``repeat_interleave`` order:
 
 Where per-token (process) rewards keep a meaning:
 
-* ``"grpo"`` and ``"rloo"`` compare one scalar per sequence within its group: the sequence's
-  undiscounted sum of shaped rewards (:func:`sequence_returns`: the score, plus every
-  per-token reward, minus ``kl_coef`` times the summed KL -- TRL RLOO's sequence-level KL).
-  A process reward then counts only through that sum: where in the completion it was earned
-  is lost, and the advantage is the same on every action token (:func:`broadcast_sequence_advantages`).
+* ``"grpo"`` and ``"rloo"`` compare one scalar per sequence within its group
+  (:func:`sequence_returns`): the score plus every per-token reward, and for ``"rloo"`` minus
+  ``kl_coef`` times the summed KL (TRL RLOO's sequence-level KL in the reward). ``"grpo"``
+  keeps the KL out of the group statistics, as TRL GRPO does (its ``beta`` term is not in the
+  rewards): the group-normalised advantage is the same on every action token
+  (:func:`broadcast_sequence_advantages`), and the KL penalty is added per token as its
+  return-to-go (:func:`kl_to_go`; OpenRLHF's ``group_norm`` with the KL in the reward). A
+  process reward counts only through the sum: where in the completion it was earned is lost.
 * ``"reinforce_pp"`` and ``"reinforce_pp_baseline"`` keep the rewards per token: each action
   token's advantage is its discounted return-to-go, so a step reward counts for the tokens
   before it only.
@@ -44,7 +47,7 @@ __all__ = [
     "ESTIMATORS", "CRITIC_FREE_ESTIMATORS", "GROUP_ESTIMATORS", "SCALE_REWARDS", "GROUP_STD_EPS",
     "needs_critic", "resolve_scale_rewards", "grouped", "grpo_advantages", "rloo_advantages",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "broadcast_sequence_advantages",
-    "sequence_returns", "group_reward_metrics", "estimator_targets", "estimator_settings",
+    "sequence_returns", "kl_to_go", "group_reward_metrics", "estimator_targets", "estimator_settings",
 ]
 
 # PPOConfig.advantage_estimator's values (OpenRLHF's --advantage_estimator / verl's adv_estimator idea).
@@ -288,10 +291,10 @@ def broadcast_sequence_advantages(advantages: torch.Tensor, action_mask: torch.T
 
 
 def sequence_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """The scalar a group estimator compares: each row's undiscounted sum of its shaped rewards
-    over the action tokens, ``sum_t r[b, t]`` where ``action_mask[b, t]``: score + per-token
-    rewards - ``kl_coef`` * summed KL (TRL RLOO's sequence-level KL penalty; TRL GRPO puts its
-    KL in the loss instead, so with ``kl_coef=0``, TRL GRPO's default ``beta=0``, the two agree).
+    """The scalar a group estimator compares: each row's undiscounted sum of ``token_rewards``
+    over the action tokens, ``sum_t r[b, t]`` where ``action_mask[b, t]``. ``"rloo"`` passes the
+    shaped rewards (score + per-token rewards - ``kl_coef`` * KL: TRL RLOO's sequence-level KL
+    penalty); ``"grpo"`` the same without the KL part (TRL GRPO keeps its KL out of the rewards).
 
     Args:
         token_rewards: ``(B, T)``. action_mask: bool ``(B, T)``.
@@ -303,6 +306,38 @@ def sequence_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> 
     F._check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     values = _float(token_rewards)
     return torch.where(action_mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum(dim=1)
+
+
+def kl_to_go(kl_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """The KL penalty's share of a ``"grpo"`` advantage: each action token's discounted sum of
+    the per-token penalty from it to the end, ``K[i_k] = p[i_k] + gamma * K[i_{k+1}]`` over row
+    b's action positions ``i_1 < ... < i_n`` (``K[i_{n+1}] = 0``); environment tokens are not
+    steps (not read, not discounted) and get 0. With ``p = -kl_coef * kl`` a token is pushed
+    back toward the reference by the KL it and the tokens after it add -- the return-to-go a
+    critic-free estimator can give a per-token reward (OpenRLHF adds it the same way to its
+    group-normalised score). Naive form::
+
+        for b in range(B):
+            running = 0
+            for t in reversed(range(T)):
+                if action_mask[b, t]:
+                    running = p[b, t] + gamma * running; K[b, t] = running
+
+    Args:
+        kl_rewards: ``(B, T)`` the penalty per token, ``-kl_coef * kl`` (0 off the mask).
+        action_mask: bool ``(B, T)``. gamma: discount in [0, 1].
+
+    Returns:
+        ``(B, T)`` float (at least float32), exactly 0 off the action tokens.
+
+    >>> kl_to_go(torch.tensor([[-0.1, -0.2, -0.3]]), torch.tensor([[True, False, True]]))
+    tensor([[-0.4000,  0.0000, -0.3000]])
+    """
+    F._check_mask(action_mask, "action_mask")
+    F._check_same_shape(kl_rewards=kl_rewards, action_mask=action_mask)
+    values = torch.zeros_like(kl_rewards, dtype=F._float_dtype(kl_rewards))
+    returns, _ = F.action_masked_gae(kl_rewards.to(values.dtype), values, action_mask, action_mask, gamma, 1.0)
+    return returns
 
 
 def group_reward_metrics(scores: torch.Tensor, num_generations: int) -> dict[str, torch.Tensor]:
@@ -363,15 +398,18 @@ def estimator_targets(
     2. ``kl``, ``non_score_rewards = -kl_coef * kl`` and the shaped ``rewards`` on the action
        tokens (score on the last one, per-token rewards added; a non-zero one on an
        environment token is an error), as ``compute_targets`` builds them;
-    3. ``advantages``: ``"grpo"`` / ``"rloo"``: :func:`grpo_advantages` / :func:`rloo_advantages`
-       of :func:`sequence_returns`, broadcast over the action tokens; ``"reinforce_pp"``:
+    3. ``advantages``: ``"grpo"``: :func:`grpo_advantages` of :func:`sequence_returns` of the
+       rewards without the KL part, broadcast over the action tokens, plus :func:`kl_to_go` of
+       ``non_score_rewards``' KL part; ``"rloo"``: :func:`rloo_advantages` of the whole sums,
+       broadcast; ``"reinforce_pp"``:
        :func:`reinforce_pp_advantages` of ``rewards``; ``"reinforce_pp_baseline"``:
        :func:`reinforce_pp_baseline_advantages` (the group mean off the scores first);
     4. ``returns``: the REINFORCE++ discounted returns; zeros for the group estimators.
 
     ``whiten_rewards``, ``whiten_advantages``, ``lam``, ``value_lam`` and ``lam_length_alpha``
     are GAE's: the group estimators normalise by their own rule (``scale_rewards``; RLOO none,
-    TRL's default) and REINFORCE++ always whitens. ``gamma`` is read by REINFORCE++ only.
+    TRL's default) and REINFORCE++ always whitens. ``gamma`` is read by REINFORCE++ and by
+    ``"grpo"``'s KL return-to-go.
 
     Args:
         rollout: reads ``scores``, ``has_stop``, ``logprobs``, ``ref_logprobs``,
@@ -404,12 +442,13 @@ def estimator_targets(
         added = rollout.token_rewards.masked_fill(~actions, 0.0)
         rewards, per_token = rewards + added, non_score + added
     zeros = torch.zeros_like(rewards)
-    if advantage_estimator in ("grpo", "rloo"):
-        totals = sequence_returns(rewards, actions)
-        if advantage_estimator == "grpo":
-            sequence = grpo_advantages(totals, num_generations, scale_rewards)
-        else:
-            sequence = rloo_advantages(totals, num_generations)
+    if advantage_estimator == "grpo":  # the KL out of the group statistics, added per token after
+        sequence = grpo_advantages(sequence_returns(rewards - non_score, actions), num_generations, scale_rewards)
+        advantages = broadcast_sequence_advantages(sequence, actions) + kl_to_go(non_score, actions, gamma)
+        advantages, returns = advantages.to(rewards.dtype), zeros
+        raw = advantages
+    elif advantage_estimator == "rloo":
+        sequence = rloo_advantages(sequence_returns(rewards, actions), num_generations)
         advantages, returns = broadcast_sequence_advantages(sequence, actions).to(rewards.dtype), zeros
         raw = advantages
     elif advantage_estimator == "reinforce_pp":
