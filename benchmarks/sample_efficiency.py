@@ -1408,11 +1408,13 @@ def execute(args, task_dir: Path, arms: dict[str, Arm], seeds: list[int], python
         cmd = [python_for[arm.trainer], script, "--task", args.task, "--run", arm_name, str(MEMORY_SEED),
                "--arm-json", json.dumps(dataclasses.asdict(arm)), "--out", str(args.out), "--memory",
                "--episodes", str(episodes), "--hidden-size", str(args.hidden_size)]
+        start = time.perf_counter()
         why = _subprocess(cmd, arm_dir / "memory.log", args.timeout)
         if (arm_dir / "memory.partial").is_file():
             os.replace(arm_dir / "memory.partial", arm_dir / "memory.jsonl")
         peak = read_memory(arm_dir / "memory.json")
-        return f"{arm_name} memory run: " + (f"failed, {why}" if why else f"peak live tensors {peak:.1f} MiB")
+        return (f"{arm_name} memory run: " + (f"failed, {why}" if why else f"peak live tensors {peak:.1f} MiB")
+                + f" ({time.perf_counter() - start:.0f} s)")
 
     (task_dir / "_models").mkdir(parents=True, exist_ok=True)
     prepared = sorted(set(seeds) | ({MEMORY_SEED} if args.memory else set()))
