@@ -2,25 +2,31 @@
 
     python benchmarks/sample_efficiency.py --task synthetic --arms trl112 defaults --seeds 8 --out DIR
     python benchmarks/sample_efficiency.py --task verifiable --arms trl112 defaults recipe --out DIR
+    python benchmarks/sample_efficiency.py --task long --arms trl_grpo defaults --memory --out DIR
     python benchmarks/sample_efficiency.py --list-arms
 
-An *arm* is a name for a way to train: ``PPOConfig`` overrides on top of the task's settings,
-which trainer runs them (this package's, or TRL 1.12's own ``trl.experimental.ppo.PPOTrainer``
-for the ``trl112`` arm) and which reward variant of the task it trains on (``default``; the
+An *arm* is a name for a way to train: config overrides on top of the task's settings, which
+trainer runs them (``TRAINERS``: ``ours``, this package's PPOTrainer; ``trl112``, TRL 1.12's own
+``trl.experimental.ppo.PPOTrainer``; ``trl_grpo``, TRL's own ``trl.GRPOTrainer``, see below) and
+which reward variant of the task it trains on (``default``; the
 synthetic task also has the reward variants ``process``, ``process_prefix``, ``final`` and ``other_vocab``,
 see ``REWARD_VARIANTS``: the true reward as per-token or final reward functions, an RM of another
 vocabulary; each measured by the same true reward of the policy's completions).
 ``--arm NAME:field=value,field=value`` adds one on the command line (values are read as JSON,
-else kept as strings). An arm naming a field the installed ``PPOConfig`` lacks is left out
-with a printed note, so the same command works before and after a field is wired.
+else kept as strings; ``trainer=trl_grpo`` makes them ``GRPOConfig`` fields, e.g.
+``--arm grpo_kl:trainer=trl_grpo,beta=0.04``). An arm naming a field the installed config lacks
+is left out with a printed note, so the same command works before and after a field is wired.
 
 Every arm of a task gets the same models (built once per seed by a ``--prepare`` process and
 loaded by every run), prompts, batch sizes, learning rate, response length and seeds. Each
 (arm, seed) runs in its own process with a timeout (``--timeout``), one thread each, ``--jobs``
 at a time; the ``trl112`` arm runs under ``--trl-python`` (default: /work/venv112/bin/python
-if it has a TRL with a PPO trainer; without one the arm is left out with a note). A run writes
-one JSON row per PPO update to ``DIR/<task>/<arm>/<seed>.jsonl`` and a last row
-``{"done": true, ...}``; a run that raises, times out, stops early or logs a non-finite value is
+if it has a TRL with a PPO trainer; without one the arm is left out with a note), ``ours`` and
+``trl_grpo`` under the python running the benchmark. A run writes one JSON row per update (one
+rollout batch: ``update``, ``episode`` = completions so far, ``reward``, ``scored`` = completions
+measured, ``kl``, ``entropy``, ...) to ``DIR/<task>/<arm>/<seed>.jsonl`` and a last row
+``{"done": true, "train_s": ..., "updates": ...}`` (``train_s``: the wall seconds of
+``trainer.train()``); a run that raises, times out, stops early or logs a non-finite value is
 kept as *crashed* (its file ends ``{"done": true, "crashed": true, "reason": ...}``), never
 dropped. Complete files are skipped, so an interrupted benchmark resumes where it stopped
 (``--rerun-crashed`` runs crashed ones again).
@@ -59,15 +65,53 @@ from the reward model (synthetic) or, with no reward model, from the SFT checkpo
 fresh score head (verifiable). This package's arms use the shared LoRA actor-critic of the
 examples (value head on the policy's backbone).
 
+The ``trl_grpo`` arm is TRL's own ``GRPOTrainer`` (of the installed TRL, 1.16 in /work/venv), a
+peer for this package's critic-free estimators (e.g. ``--arm
+grpo:advantage_estimator=grpo,num_generations=4``; rloo, reinforce_pp_baseline alike), on the
+``synthetic``, ``verifiable`` and ``long`` tasks (``multiturn`` is refused: its ``rollout_func``
+samples with this package's ``trainer.generate_continuations``). What it shares with the
+``ours`` arms: the task's initial policy per seed (built or loaded exactly as they do), the LoRA
+rank, alpha and targets as ``peft_config`` (but ``lm_head``, trained whole through
+``modules_to_save``: TRL 1.16's GRPO refuses an adapter there, its fused LM head reads
+``lm_head.weight`` directly; see ``grpo_lora``), the prompts (as text that its tokenizer turns
+back into exactly the same ids: ``prompt_texts``), learning rate, temperature (0.7 synthetic and
+long, 1.0 verifiable), ``max_completion_length`` = the task's response_length, stopping at
+``<eos>`` (the tokenizer's EOS, which GRPO always adds to the model's generation_config), the
+episode budget counted in completions, and the update shape (``grpo_settings``): one generation
+batch = the task's rollout batch (32 synthetic and long, 64 verifiable) of ``num_generations=4``
+completions per prompt, as this package's group estimators are run (so 8 or 16 prompts per
+batch where ``defaults`` has 32 or 64); ``steps_per_generation`` = our ``num_mini_batches`` (2) optimizer
+steps of ``per_device_train_batch_size`` = batch / 2 rows, no gradient accumulation, and
+``num_iterations`` = our ``num_ppo_epochs`` (4): 8 optimizer steps per rollout, as ours;
+``max_steps`` = ``ceil(episodes / batch) * 8``, so both generate the same completions. The rest
+is TRL GRPO's defaults: ``beta`` 0 (no KL term, no reference model; ``kl`` is None in its rows),
+``loss_type`` "dapo", ``scale_rewards`` "group", ``epsilon`` 0.2, a linear learning-rate decay over
+its optimizer steps (ours decays per update). Its rewards: synthetic, the task's trained reward
+model read on prompt + completion ids at the last completion token (``reward_model_function``,
+as this package reads it); verifiable, the example's reward functions with their weights
+(``reward_weights``); long, ``long_task_reward`` on the completion ids. Its rows come from what
+the reward functions saw per generation batch (``GRPORecorder``: the true reward or the exact
+answer of those completions, measured as for the other arms) and from TRL's per-step logs
+averaged over the rollout's optimizer steps (``entropy``; ``score`` is GRPO's ``reward``, the
+weighted reward it trained on; ``reward_std`` and ``frac_reward_zero_std`` are kept too).
+
 The table (markdown, to stdout and ``DIR/<task>/table.md``): per arm, runs and crashed runs;
 the reward at half the episodes and at the end (each the mean of the ``--window`` updates that
 end there, then mean +- standard deviation over the seeds that did not crash); episodes to
 reach the threshold (the first episode at which that trailing mean reaches it; median over
 seeds, and how many reached it); KL, token entropy and explained variance at the end. The
-threshold is the ``trl112`` arm's mean final reward (the issue's goal: reach it in half the
-episodes), else ``--threshold``. The plot (``DIR/<task>.png``): mean over seeds of that
-trailing mean against episodes, with a band of +- one standard deviation per arm; KL and
-entropy in panels beside it.
+threshold is the ``trl112`` arm's mean final reward (the goal: reach it in half the
+episodes), else ``--threshold``; then the mean training seconds per run and the median over runs
+of the milliseconds per episode (``train_s`` over the run's episodes). With ``--memory`` each arm
+also gets one more short run (seed 0, ``MEMORY_UPDATES`` = 2 updates) with training inside
+``trl_ppo_ext.memory.live_tensor_bytes`` (tensors alive at its start, the models, counted); its
+peak goes to ``DIR/<task>/<arm>/memory.json`` and a column "peak live tensors (MiB)" (the tracker
+runs Python on every op, so this run is never a timed one). TRL GRPO's peak on these tiny models
+is mostly its fused LM head's scratch tile, ``tokens x 32768`` float32 whatever the vocabulary
+(28 MiB for 224 tokens); the trl112 arm's memory run goes through the same code in its own
+python, untested where that python is missing. The plot (``DIR/<task>.png``): mean over seeds
+of that trailing mean against episodes, with a band of +- one standard deviation per arm; KL
+and entropy in panels beside it.
 """
 
 from __future__ import annotations
@@ -75,6 +119,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -101,11 +146,12 @@ LOGGED = {
 # ------------------------------------------------------------------------------------ arms
 @dataclass(frozen=True)
 class Arm:
-    """A way to train: PPOConfig overrides, the trainer ("ours" or "trl112"), the reward variant, and
-    for ours the critic: the shared LoRA actor-critic of the examples, or a separate value model
-    built as the ``trl112`` arm's (TRL's example script: the reward model, or the SFT checkpoint
-    with a fresh head) beside a LoRA policy, trained whole (``separate``) or as a LoRA adapter
-    and its head on a frozen base (``lora``: how a critic adapter of its own would learn)."""
+    """A way to train: config overrides (a ``PPOConfig``'s, or for ``trl_grpo`` a ``GRPOConfig``'s), the
+    trainer (``TRAINERS``), the reward variant, and for ours the critic: the shared LoRA actor-critic
+    of the examples, or a separate value model built as the ``trl112`` arm's (TRL's example script:
+    the reward model, or the SFT checkpoint with a fresh head) beside a LoRA policy, trained whole
+    (``separate``) or as a LoRA adapter and its head on a frozen base (``lora``: how a critic
+    adapter of its own would learn)."""
 
     overrides: dict = field(default_factory=dict)
     trainer: str = "ours"
@@ -129,8 +175,12 @@ RECIPE = {
     "clip_higher": {"cliprange_high": 0.28},
     "dual_clip": {"dual_clip": 3.0},
 }
+# "ours": this package's PPOTrainer; "trl112": TRL 1.12's PPOTrainer (its own python, --trl-python);
+# "trl_grpo": TRL's GRPOTrainer of the python that runs the benchmark (TRL 1.16 in /work/venv)
+TRAINERS = ("ours", "trl112", "trl_grpo")
 ARMS = {
     "trl112": Arm(trainer="trl112", note="TRL 1.12's own trainer"),
+    "trl_grpo": Arm(trainer="trl_grpo", note="TRL's own GRPOTrainer, 4 completions per prompt"),
     "defaults": Arm(note="this package's defaults"),
     **{name: Arm(overrides, note="one recipe element") for name, overrides in RECIPE.items()},
     "loss_grpo": Arm({"loss_type": "grpo"}, note="sequence-mean token-mean loss"),
@@ -250,6 +300,25 @@ def _quiet() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"Setting `save_embedding_layers`", category=UserWarning)
+
+
+def task_settings(task_name: str, fields: set[str] | None = None) -> dict:
+    """The PPO settings of ``task_name``'s example (see ``TASKS``), keeping only the keys in
+    ``fields`` when given (the installed config's fields): ``DEMO_DEFAULTS`` (synthetic), with
+    ``LONG_SETTINGS`` (long), ``examples/ppo_verifiable.py``'s or ``examples/ppo_multiturn.py``'s
+    ``PPO_DEFAULTS``. Run settings (output_dir, logging, ...) are the benchmark's, set on top."""
+    _examples_on_path()
+    if task_name in ("synthetic", "long"):
+        from ppo_lora import DEMO_DEFAULTS
+
+        settings = {**DEMO_DEFAULTS, **(LONG_SETTINGS if task_name == "long" else {})}
+    elif task_name == "verifiable":
+        from ppo_verifiable import PPO_DEFAULTS as settings
+    elif task_name == "multiturn":
+        from ppo_multiturn import PPO_DEFAULTS as settings
+    else:
+        raise ValueError(f"task {task_name!r}: pick one of {sorted(TASKS)}.")
+    return {k: v for k, v in settings.items() if fields is None or k in fields}
 
 
 def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> None:
@@ -564,9 +633,307 @@ def step_through_trainer(base):
     return StepThroughTrainer
 
 
+# ------------------------------------------------------------------------- the trl_grpo arm
+# Completions per prompt of the trl_grpo arm: as this package's group arms (advantage_estimator grpo, rloo,
+# reinforce_pp_baseline with num_generations=4), so a rollout batch of 32 holds 8 prompts.
+GRPO_GENERATIONS = 4
+
+
+def grpo_settings(ppo, episodes: int, num_generations: int = GRPO_GENERATIONS) -> dict:
+    """The ``GRPOConfig`` fields of the ``trl_grpo`` arm that mirror a task's ``PPOConfig`` ``ppo``.
+
+    Ours samples a rollout batch of ``B = per_device_train_batch_size * gradient_accumulation_steps``
+    completions (one process), then takes ``num_mini_batches`` optimizer steps over it per epoch
+    for ``num_ppo_epochs`` epochs. TRL GRPO gets the same shape: a generation batch of ``B``
+    (``steps_per_generation = num_mini_batches`` steps of ``per_device_train_batch_size = B /
+    num_mini_batches`` rows, no accumulation), reused ``num_iterations = num_ppo_epochs`` times;
+    ``max_steps`` covers ``ceil(episodes / B)`` rollouts, ours' ``num_total_batches``, so both runs
+    generate the same completions. Learning rate, temperature and completion budget
+    (``max_completion_length = response_length``) are ours.
+
+    >>> from types import SimpleNamespace as NS
+    >>> ppo = NS(per_device_train_batch_size=8, gradient_accumulation_steps=4, num_mini_batches=2,
+    ...          num_ppo_epochs=4, learning_rate=5e-3, temperature=0.7, response_length=10)
+    >>> s = grpo_settings(ppo, 1024)
+    >>> s["per_device_train_batch_size"], s["steps_per_generation"], s["num_iterations"], s["max_steps"]
+    (16, 2, 4, 256)
+    """
+    batch, steps = ppo.per_device_train_batch_size * ppo.gradient_accumulation_steps, ppo.num_mini_batches
+    if batch % steps or batch % num_generations:
+        raise ValueError(f"trl_grpo: the rollout batch {batch} must split into num_mini_batches={steps} optimizer "
+                         f"steps and into groups of num_generations={num_generations}.")
+    rollouts = math.ceil(episodes / batch)
+    return dict(per_device_train_batch_size=batch // steps, gradient_accumulation_steps=1,
+                steps_per_generation=steps, num_iterations=ppo.num_ppo_epochs, num_generations=num_generations,
+                max_steps=rollouts * steps * ppo.num_ppo_epochs, learning_rate=ppo.learning_rate,
+                temperature=ppo.temperature, max_completion_length=ppo.response_length)
+
+
+def grpo_lora(lora):
+    """The LoRA config of the ``trl_grpo`` arm from the task's ``lora``: the same rank, alpha, dropout
+    and targets, but ``lm_head`` trained whole (``modules_to_save``) instead of by an adapter.
+
+    TRL 1.16's GRPOTrainer refuses an adapter on ``lm_head``: its fused LM head computes the
+    log-probs from ``lm_head.weight`` directly, so the adapter would never be trained. Every task
+    here adapts ``lm_head`` (a random tiny Llama does not learn without it, see
+    ``examples/ppo_lora.py``); a full copy of the head (``vocab x hidden`` weights, 46 x 32 on the
+    synthetic task, against the adapter's ``r (vocab + hidden)``) is the nearest thing TRL GRPO
+    trains: ``get_output_embeddings().weight`` is then the trained copy's.
+    """
+    targets = list(lora.target_modules)
+    if "lm_head" not in targets:
+        return lora
+    return dataclasses.replace(lora, target_modules=[t for t in targets if t != "lm_head"],
+                               modules_to_save=[*(lora.modules_to_save or []), "lm_head"])
+
+
+def prompt_texts(tokenizer, prompt_ids: list[list[int]]) -> list[str]:
+    """Text prompts that ``tokenizer(text=...)`` (how TRL GRPO tokenizes a text prompt) turns back
+    into exactly ``prompt_ids``: the ids decoded with their special tokens. Raises if one does not
+    round-trip (a tokenizer that adds a BOS, merges words differently, ...).
+
+    >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+    >>> prompt_texts(build_tiny_tokenizer(), [[4, 6, 7, 3, 5]])
+    ['<user> w0 w1 <eos> <assistant>']
+    """
+    texts = [tokenizer.decode(ids) for ids in prompt_ids]
+    back = tokenizer(text=texts)["input_ids"]
+    for ids, text, again in zip(prompt_ids, texts, back):
+        if list(again) != list(ids):
+            raise ValueError(f"prompt_texts: {text!r} tokenizes to {list(again)}, not the prompt's {list(ids)}.")
+    return texts
+
+
+def grpo_prompts(prompts, tokenizer, keep: tuple[str, ...] = ()):
+    """A ``Dataset`` for TRL GRPO from the one ours trains on: a text ``prompt`` column giving back
+    its ``input_ids`` (:func:`prompt_texts`), and the columns ``keep`` (``answer``: the reward's)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": prompt_texts(tokenizer, prompts["input_ids"]),
+                              **{name: prompts[name] for name in keep}})
+
+
+def reward_model_function(reward_model, tokenizer):
+    """A reward model as a reward function in TRL GRPO's convention, read as this package's trainer
+    reads one: prompt ids (the text prompt tokenized as GRPO does) then the completion ids,
+    scored at the last completion token (its ``<eos>`` when it stopped) by ``score_at``, with the
+    positions of the valid tokens. Rows are padded on the right, so the padding is never read."""
+    import torch
+
+    from trl_ppo_ext.models.policy_value import score_at
+
+    def reward_model_score(prompts, completion_ids, **kwargs) -> list[float]:
+        rows = [list(p) + [int(t) for t in c] for p, c in zip(tokenizer(text=list(prompts))["input_ids"],
+                                                             completion_ids)]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            return score_at(reward_model, ids, mask, positions, index=mask.sum(1) - 1).tolist()
+
+    return reward_model_score
+
+
+def measuring(func, measure, sink):
+    """``func``, a reward function in TRL GRPO's convention (keywords only), that also hands
+    ``sink`` the measured reward of each completion of a call: ``measure(kwargs, rewards)``."""
+
+    @functools.wraps(func)
+    def measured(**kwargs):
+        rewards = func(**kwargs)
+        sink(measure(kwargs, rewards))
+        return rewards
+
+    return measured
+
+
+def grpo_row(update: int, measured: list[list[float]], logs: list[dict], steps_per_rollout: int) -> dict:
+    """The benchmark's row of rollout ``update`` (1-based) of a ``trl_grpo`` run.
+
+    Args:
+        measured: per generation batch so far, the measured reward of each completion (the true
+            reward, or the exact answer), as the reward functions saw them.
+        logs: TRL's logs, one per optimizer step, each with its global ``step``; rollout ``k``
+            trained in steps ``(k - 1) * steps_per_rollout + 1 .. k * steps_per_rollout``.
+    Returns:
+        ``update``, ``episode`` (completions generated up to this rollout), ``reward`` (mean of
+        its measured values), ``scored``, and the mean over its steps of what TRL logged:
+        ``score`` (GRPO's ``reward``: the weighted reward it trained on), ``kl`` (only with
+        beta != 0), ``entropy``, ``reward_std``, ``frac_reward_zero_std``; None where not logged.
+    """
+    values = measured[update - 1]
+    first, last = (update - 1) * steps_per_rollout + 1, update * steps_per_rollout
+    mine = [log for log in logs if first <= log["step"] <= last]
+
+    def mean(key):
+        found = [log[key] for log in mine if log.get(key) is not None]
+        return statistics.fmean(found) if found else None
+
+    return {"update": update, "episode": sum(len(m) for m in measured[:update]), "reward": statistics.fmean(values),
+            "scored": len(values), "score": mean("reward"), "kl": mean("kl"), "entropy": mean("entropy"),
+            "explained_variance": None, "reward_std": mean("reward_std"),
+            "frac_reward_zero_std": mean("frac_reward_zero_std")}
+
+
+class GRPORecorder:
+    """Rows of a ``trl_grpo`` run from what its reward functions measured per generation batch
+    (``measure``) and from TRL's per-step logs (``log``): a rollout's row is complete once the
+    log of its last optimizer step arrives."""
+
+    def __init__(self, steps_per_rollout: int):
+        self.steps_per_rollout = steps_per_rollout
+        self.measured: list[list[float]] = []
+        self.logs: list[dict] = []
+        self.rows: list[dict] = []
+
+    def measure(self, values) -> None:
+        self.measured.append([float(v) for v in values])
+
+    def log(self, step: int, logs: dict) -> list[dict]:
+        """Keep the log of optimizer step ``step``; return the rows it completes."""
+        if "train_runtime" not in logs:  # the Trainer's closing summary is not a step's log
+            self.logs.append({**logs, "step": step})
+        new = []
+        while len(self.rows) < len(self.measured) and step >= (len(self.rows) + 1) * self.steps_per_rollout:
+            new.append(grpo_row(len(self.rows) + 1, self.measured, self.logs, self.steps_per_rollout))
+            self.rows.append(new[-1])
+        return new
+
+
+def grpo_config(task_name: str, episodes: int, *, output_dir: str, seed: int, overrides: dict | None = None):
+    """``(GRPOConfig, PPOConfig)`` of the ``trl_grpo`` arm on ``task_name``: the task's PPOConfig as the
+    "ours" arms get it (its example's settings, :func:`task_settings`), and the GRPOConfig
+    mirroring it (:func:`grpo_settings`, ``reward_weights`` the task's), one log per optimizer
+    step, everything else TRL GRPO's defaults (``beta`` 0, its ``loss_type``, ``scale_rewards``,
+    ``epsilon``, ...) unless ``overrides`` (GRPOConfig fields, the arm's) say otherwise."""
+    from trl import GRPOConfig
+
+    from trl_ppo_ext import PPOConfig
+
+    run = dict(output_dir=output_dir, eval_strategy="no", save_strategy="no", report_to="none", seed=seed, bf16=False)
+    ppo = PPOConfig(**{**task_settings(task_name, {f.name for f in dataclasses.fields(PPOConfig)}), **run,
+                       "total_episodes": episodes})
+    weights = list(ppo.reward_weights) if ppo.reward_weights is not None else None
+    config = GRPOConfig(**{**grpo_settings(ppo, episodes), "reward_weights": weights, "logging_steps": 1,
+                           "disable_tqdm": True, **run, **(overrides or {})})
+    return config, ppo
+
+
+def run_grpo(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: int, hidden_size: int,
+             out: Path, memory: Path | None = None) -> int:
+    """The ``trl_grpo`` arm of ``run_one``: TRL's ``GRPOTrainer`` on ``task_name``'s policy, LoRA,
+    prompts and reward, sized by :func:`grpo_settings` from the task's PPO settings. Returns the updates."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from trl import GRPOTrainer
+
+    from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+    if task_name not in ("synthetic", "verifiable", "long"):
+        raise ValueError(f"the trl_grpo arm runs the synthetic, verifiable and long tasks, not {task_name!r}.")
+    config, ppo = grpo_config(task_name, episodes, output_dir=str(out.parent / f".{out.stem}_trainer"), seed=seed,
+                              overrides=arm.overrides)
+    steps_per_rollout = config.steps_per_generation * config.num_iterations
+    recorder = GRPORecorder(steps_per_rollout)
+    if task_name in ("synthetic", "long"):
+        from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
+        from synthetic_task import build_task
+
+        task = build_task(seed)
+        if task_name == "synthetic":  # built exactly as the "ours" arms build it (same seed, same draws)
+            policy = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
+        else:
+            policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
+        prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
+                                       response_length=ppo.response_length,
+                                       max_length=policy.config.max_position_embeddings)
+        lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
+                          target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+        dataset = grpo_prompts(prompts, task.tokenizer)
+        if task_name == "synthetic":
+            reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model").eval()
+            truth = lambda kwargs, rewards: [task.true_reward(None, [int(t) for t in c])  # noqa: E731
+                                             for c in kwargs["completion_ids"]]
+            funcs = [measuring(reward_model_function(reward_model, task.tokenizer), truth, recorder.measure)]
+        else:
+            def long_reward(completion_ids, **kwargs):
+                return [long_task_reward(task, [int(t) for t in c]) for c in completion_ids]
+
+            funcs = [measuring(long_reward, lambda kwargs, rewards: rewards, recorder.measure)]
+    else:
+        from ppo_verifiable import TaskArguments, ppo_prompts, reward_functions
+        from verifiable_task import build_task, split_pairs
+
+        task_args = TaskArguments()
+        task = build_task(task_args.operation, task_args.num_values)
+        split = split_pairs(task, num_sft=task_args.num_sft_pairs, num_held_out=task_args.num_held_out_pairs,
+                            seed=task_args.split_seed)
+        policy = AutoModelForCausalLM.from_pretrained(model_dir / "sft")
+        dataset = grpo_prompts(ppo_prompts(task, split.ppo[: task_args.max_ppo_pairs]), task.tokenizer,
+                               keep=("answer",))
+        lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
+                          target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
+        funcs = reward_functions(task, ppo, task_args)  # exact_answer first: its values are the accuracy
+        funcs[0] = measuring(funcs[0], lambda kwargs, rewards: rewards, recorder.measure)
+    lora = grpo_lora(lora)
+
+    partial = out.with_suffix(".partial")
+    handle = partial.open("w")
+
+    class Rows(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            for row in recorder.log(state.global_step, logs or {}):
+                handle.write(json.dumps(row) + "\n")
+                handle.flush()
+
+    trainer = GRPOTrainer(model=policy, reward_funcs=funcs, args=config, train_dataset=dataset,
+                          processing_class=task.tokenizer, peft_config=lora, callbacks=[Rows()])
+    train_s = timed_train(trainer, memory)
+    handle.close()
+    updates = config.max_steps // steps_per_rollout
+    with partial.open("a") as f:
+        f.write(json.dumps({"done": True, "train_s": train_s, "updates": updates}) + "\n")
+    shutil.rmtree(config.output_dir, ignore_errors=True)
+    return updates
+
+
+# ----------------------------------------------------------------------------- one run
+# The memory run (--memory): one short process per arm, seed 0, this many updates, training inside
+# live_tensor_bytes (every ATen op goes through Python there, so it is never a timed run).
+MEMORY_UPDATES = 2
+MEMORY_SEED = 0
+MIB = 2**20
+
+
+def timed_train(trainer, memory: Path | None = None) -> float:
+    """``trainer.train()``; returns its wall seconds. With ``memory`` (a path), training runs inside
+    ``trl_ppo_ext.memory.live_tensor_bytes`` with every tensor alive at the start counted (the
+    models, the optimizer's state once made, ...), and the peak of live tensor bytes is written
+    there as JSON: ``{"peak_live_tensors_mib", "start_live_tensors_mib", "train_s"}``."""
+    if memory is None:
+        start = time.perf_counter()
+        trainer.train()
+        return time.perf_counter() - start
+    from trl_ppo_ext.memory import live_tensor_bytes
+
+    with live_tensor_bytes() as live:
+        live.count_existing()
+        at_start = live.current
+        start = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - start
+    result = {"peak_live_tensors_mib": live.peak / MIB, "start_live_tensors_mib": at_start / MIB, "train_s": train_s}
+    tmp = memory.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result) + "\n")
+    os.replace(tmp, memory)
+    return train_s
+
+
 def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: int, hidden_size: int,
-            out: Path) -> int:
-    """Train one (arm, seed); write a row per update to ``out`` (``.partial`` until done). Returns the updates."""
+            out: Path, memory: Path | None = None) -> int:
+    """Train one (arm, seed); write a row per update to ``out`` (``.partial`` until done). Returns the updates.
+    With ``memory``, training runs inside the live-tensor tracker and its peak goes there (:func:`timed_train`)."""
     _quiet()
     _examples_on_path()
     import torch
@@ -578,16 +945,25 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     variants = TASKS[task_name].rewards
     if arm.reward not in variants:
         raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has {', '.join(map(repr, variants))}.")
-    if arm.critic not in CRITICS or (arm.critic != "shared" and arm.trainer == "trl112"):
+    if arm.trainer not in TRAINERS:
+        raise ValueError(f"trainer={arm.trainer!r}: pick one of {', '.join(map(repr, TRAINERS))}.")
+    if arm.critic not in CRITICS or (arm.critic != "shared" and arm.trainer != "ours"):
         raise ValueError(f"critic={arm.critic!r}: this package's arms take {', '.join(map(repr, CRITICS))}; the "
-                         "trl112 arm always has TRL's separate value model.")
-    if arm.reward != "default" and arm.trainer == "trl112":
+                         "trl112 arm always has TRL's separate value model, the trl_grpo arm none.")
+    if arm.reward != "default" and arm.trainer != "ours":
         raise ValueError(f"reward variant {arm.reward!r} needs this package's trainer; TRL 1.12's takes one reward "
-                         "model of the policy's vocabulary.")
-    if arm.gae not in GAE_MODES or (arm.gae != "actions" and arm.trainer == "trl112"):
+                         "model of the policy's vocabulary, and the trl_grpo arm trains on the task's own reward.")
+    if arm.gae not in GAE_MODES or (arm.gae != "actions" and arm.trainer != "ours"):
         raise ValueError(f"gae={arm.gae!r}: this package's arms take {', '.join(map(repr, GAE_MODES))}.")
     if task_name == "multiturn" and arm.trainer == "trl112":
         raise ValueError("the multiturn task needs rollout_func, which TRL 1.12's PPOTrainer does not take.")
+    if task_name == "multiturn" and arm.trainer == "trl_grpo":
+        raise ValueError("the multiturn task is not run by the trl_grpo arm: the example's rollout_func samples its "
+                         "turns with this package's trainer.generate_continuations, which TRL's GRPOTrainer does not "
+                         "have. Run trl_grpo on the synthetic, verifiable or long task.")
+    if arm.trainer == "trl_grpo":
+        return run_grpo(task_name, arm, seed, model_dir=model_dir, episodes=episodes, hidden_size=hidden_size,
+                        out=out, memory=memory)
     if arm.trainer == "trl112":
         from trl_ppo_ext._compat import load_trl_ppo
 
@@ -599,6 +975,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         if arm.gae == "step_through":
             trainer_cls = step_through_trainer(trainer_cls)
 
+    names = {f.name for f in dataclasses.fields(config_cls)}
     common = dict(output_dir=str(out.parent / f".{out.stem}_trainer"), total_episodes=episodes,
                   num_sample_generations=0, eval_strategy="no", save_strategy="no", logging_steps=1,
                   report_to="none", disable_tqdm=True, seed=seed, bf16=False)
@@ -609,10 +986,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         from trl_ppo_ext.tiny import build_tiny_causal_lm
 
         task = build_task(seed)
-        ppo = {k: v for k, v in DEMO_DEFAULTS.items() if k in {f.name for f in dataclasses.fields(config_cls)}}
         # other_vocab: the reward model, then a zero-weight function that only measures the true reward
         weights = {"reward_weights": [1.0, 0.0]} if arm.reward == "other_vocab" else {}
-        config = config_cls(**{**ppo, **common, **weights, **arm.overrides})
+        config = config_cls(**{**task_settings(task_name, names), **common, **weights, **arm.overrides})
         policy = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
         reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model").eval()
         prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
@@ -661,9 +1037,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         from synthetic_task import build_task
 
         task = build_task(seed)
-        names = {f.name for f in dataclasses.fields(config_cls)}
-        ppo = {k: v for k, v in DEMO_DEFAULTS.items() if k in names}
-        config = config_cls(**{**ppo, **common, **LONG_SETTINGS, **arm.overrides})
+        config = config_cls(**{**task_settings(task_name, names), **common, **arm.overrides})
         policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
         prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
                                        response_length=config.response_length,
@@ -700,12 +1074,11 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             return (sum(values) / len(values) if values else None), len(values)
     elif task_name == "multiturn":
         from multiturn_task import build_task, make_reward, make_rollout_func, prompt_dataset
-        from ppo_multiturn import PPO_DEFAULTS, TaskArguments
+        from ppo_multiturn import TaskArguments
 
         task_args = TaskArguments()
         task = build_task(task_args.first_turn_tokens)
-        names = {f.name for f in dataclasses.fields(config_cls)}
-        config = config_cls(**{**{k: v for k, v in PPO_DEFAULTS.items() if k in names}, **common, **arm.overrides})
+        config = config_cls(**{**task_settings(task_name, names), **common, **arm.overrides})
         policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
         lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
                           target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
@@ -728,10 +1101,8 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         task = build_task(task_args.operation, task_args.num_values)
         split = split_pairs(task, num_sft=task_args.num_sft_pairs, num_held_out=task_args.num_held_out_pairs,
                             seed=task_args.split_seed)
-        names = {f.name for f in dataclasses.fields(config_cls)}
-        ppo = {k: v for k, v in PPO_DEFAULTS.items() if k in names}
         weights = tuple(PPO_DEFAULTS["reward_weights"])
-        config = config_cls(**{**ppo, **common, **arm.overrides})
+        config = config_cls(**{**task_settings(task_name, names), **common, **arm.overrides})
         policy = AutoModelForCausalLM.from_pretrained(model_dir / "sft")
         prompts = ppo_prompts(task, split.ppo[: task_args.max_ppo_pairs])
         lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
@@ -777,12 +1148,11 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             handle.flush()
 
     trainer = trainer_cls(args=config, processing_class=task.tokenizer, callbacks=[Rows()], **models)
-    start = time.perf_counter()
-    trainer.train()
+    train_s = timed_train(trainer, memory)
     handle.close()
     updates = config.num_total_batches
     with partial.open("a") as f:
-        f.write(json.dumps({"done": True, "train_s": time.perf_counter() - start, "updates": updates}) + "\n")
+        f.write(json.dumps({"done": True, "train_s": train_s, "updates": updates}) + "\n")
     shutil.rmtree(config.output_dir, ignore_errors=True)
     return updates
 
@@ -861,6 +1231,15 @@ def _mean(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3g}" if values else "n/a"
 
 
+def _median(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.3g}" if values else "n/a"
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def final_reward(runs: list[Run], episodes: int, window: int) -> float | None:
     """Mean over the runs that did not crash of each one's final reward."""
     values = [value_at(r, "reward", episodes, window) for r in runs if r.crashed is None]
@@ -868,11 +1247,29 @@ def final_reward(runs: list[Run], episodes: int, window: int) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def ms_per_episode(run: Run) -> float | None:
+    """Training wall time per episode of a finished run, in ms: ``train_s`` over its last row's
+    ``episode``; None without either (a crashed run has no ``train_s``)."""
+    if run.train_s is None or not run.rows or not run.rows[-1].get("episode"):
+        return None
+    return 1000.0 * run.train_s / run.rows[-1]["episode"]
+
+
+def read_memory(path: Path) -> float | None:
+    """The peak of live tensors (MiB) a memory run wrote to ``path``; None if there is none."""
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("peak_live_tensors_mib")
+
+
 def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float | None, window: int,
-          expected_seeds: int) -> str:
-    """The markdown table of the module docstring."""
+          expected_seeds: int, memory: dict[str, float | None] | None = None) -> str:
+    """The markdown table of the module docstring; with ``memory`` (arm -> peak MiB or None) a last
+    column of the memory runs' peaks."""
     head = ("| arm | runs | crashed | reward at half | final reward | episodes to threshold (median, reached) "
-            "| final KL | final entropy | final expl. var. | train s / run |")
+            "| final KL | final entropy | final expl. var. | train s / run | ms / episode (median) |")
+    if memory is not None:
+        head += " peak live tensors (MiB) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, runs in runs_by_arm.items():
         ok = [r for r in runs if r.crashed is None]
@@ -893,7 +1290,9 @@ def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float 
             f"| {_mean([value_at(r, 'kl', episodes, window) for r in ok])} "
             f"| {_mean([value_at(r, 'entropy', episodes, window) for r in ok])} "
             f"| {_mean([value_at(r, 'explained_variance', episodes, window) for r in ok])} "
-            f"| {_mean([r.train_s for r in runs if r.train_s is not None])} |"
+            f"| {_mean([r.train_s for r in runs if r.train_s is not None])} "
+            f"| {_median([ms_per_episode(r) for r in runs])} |"
+            + (f" {_number(memory.get(name), '.1f')} |" if memory is not None else "")
         )
     return "\n".join(lines)
 
@@ -977,7 +1376,8 @@ def _subprocess(cmd: list[str], log: Path, timeout: float) -> str | None:
 
 
 def execute(args, task_dir: Path, arms: dict[str, Arm], seeds: list[int], python_for: dict[str, str]) -> None:
-    """Prepare the models of every seed, then run every (arm, seed) whose file is not complete."""
+    """Prepare the models of every seed, then run every (arm, seed) whose file is not complete; with
+    ``--memory``, then one memory run per arm that has no ``memory.json`` yet (see ``timed_train``)."""
     script = str(Path(__file__).resolve())
     size = ["--episodes", str(args.episodes), "--hidden-size", str(args.hidden_size)]
 
@@ -1002,9 +1402,24 @@ def execute(args, task_dir: Path, arms: dict[str, Arm], seeds: list[int], python
         os.replace(partial, out)
         return f"{arm_name} seed {seed}: {'crashed, ' + why if why else 'done'} ({time.perf_counter() - start:.0f} s)"
 
+    def measure_memory(arm_name):
+        arm, arm_dir = arms[arm_name], task_dir / arm_name
+        episodes = MEMORY_UPDATES * TASKS[args.task].batch_size
+        cmd = [python_for[arm.trainer], script, "--task", args.task, "--run", arm_name, str(MEMORY_SEED),
+               "--arm-json", json.dumps(dataclasses.asdict(arm)), "--out", str(args.out), "--memory",
+               "--episodes", str(episodes), "--hidden-size", str(args.hidden_size)]
+        start = time.perf_counter()
+        why = _subprocess(cmd, arm_dir / "memory.log", args.timeout)
+        if (arm_dir / "memory.partial").is_file():
+            os.replace(arm_dir / "memory.partial", arm_dir / "memory.jsonl")
+        peak = read_memory(arm_dir / "memory.json")
+        return (f"{arm_name} memory run: " + (f"failed, {why}" if why else f"peak live tensors {peak:.1f} MiB")
+                + f" ({time.perf_counter() - start:.0f} s)")
+
     (task_dir / "_models").mkdir(parents=True, exist_ok=True)
+    prepared = sorted(set(seeds) | ({MEMORY_SEED} if args.memory else set()))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for seed, why in zip(seeds, pool.map(prepare_seed, seeds)):
+        for seed, why in zip(prepared, pool.map(prepare_seed, prepared)):
             if why is not None:
                 raise SystemExit(f"preparing the models of seed {seed} failed ({why}); see "
                                  f"{task_dir / '_models' / f'seed{seed}.log'}")
@@ -1018,6 +1433,11 @@ def execute(args, task_dir: Path, arms: dict[str, Arm], seeds: list[int], python
         print(f"{len(todo)} runs to do ({args.jobs} at a time)", flush=True)
         for line in pool.map(lambda job: train(*job), todo):
             print(line, flush=True)
+        if args.memory:
+            pending = [name for name in arms if not (task_dir / name / "memory.json").is_file()]
+            print(f"{len(pending)} memory runs to do", flush=True)
+            for line in pool.map(measure_memory, pending):
+                print(line, flush=True)
 
 
 def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
@@ -1030,13 +1450,17 @@ def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
     if threshold is None and runs_by_arm.get("trl112"):
         threshold, source = final_reward(runs_by_arm["trl112"], args.episodes, args.window), "trl112's final reward"
     spec = TASKS[args.task]
+    memory = {name: read_memory(task_dir / name / "memory.json") for name in arm_names}
     text = table(runs_by_arm, episodes=args.episodes, threshold=threshold, window=args.window,
-                 expected_seeds=len(seeds))
+                 expected_seeds=len(seeds), memory=memory if any(v is not None for v in memory.values()) else None)
     header = (f"task {args.task}: reward = {spec.reward_name} of each update's rollout; {args.episodes} episodes "
               f"({args.episodes // spec.batch_size} updates of {spec.batch_size}), hidden size {args.hidden_size}, "
               f"seeds {seeds[0]}..{seeds[-1]}; values are the mean of the {args.window} updates ending there, "
               f"mean ± sd over seeds")
     header += (f"; threshold {threshold:.3f} ({source})" if threshold is not None else "; no threshold")
+    if any(v is not None for v in memory.values()):
+        header += (f"; peak live tensors: one run per arm, seed {MEMORY_SEED}, {MEMORY_UPDATES} updates, inside "
+                   "trl_ppo_ext.memory.live_tensor_bytes (models included)")
     text = header + "\n\n" + text
     (task_dir / "table.md").write_text(text + "\n")
     plot(runs_by_arm, task_dir.parent / f"{args.task}.png", title=f"{args.task} task, {len(seeds)} seeds",
@@ -1063,6 +1487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("outputs/sample_efficiency"))
     p.add_argument("--rerun-crashed", action="store_true")
     p.add_argument("--report-only", action="store_true", help="only read the logs: table and plot")
+    p.add_argument("--memory", action="store_true",
+                   help=f"per arm, one more run (seed {MEMORY_SEED}, {MEMORY_UPDATES} updates) inside the live-tensor "
+                   "tracker: DIR/<task>/<arm>/memory.json, a table column")
     p.add_argument("--list-arms", action="store_true")
     p.add_argument("--prepare", type=int, metavar="SEED", help=argparse.SUPPRESS)
     p.add_argument("--run", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
@@ -1081,8 +1508,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.run is not None:
         arm_name, seed = args.run[0], int(args.run[1])
+        arm_dir = task_dir / arm_name
+        out, memory = (arm_dir / "memory.jsonl", arm_dir / "memory.json") if args.memory else (
+            arm_dir / f"{seed}.jsonl", None)
         run_one(args.task, Arm(**json.loads(args.arm_json)), seed, model_dir=task_dir / "_models" / f"seed{seed}",
-                episodes=args.episodes, hidden_size=args.hidden_size, out=task_dir / arm_name / f"{seed}.jsonl")
+                episodes=args.episodes, hidden_size=args.hidden_size, out=out, memory=memory)
         return 0
 
     arms = dict(ARMS)
@@ -1090,28 +1520,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_arms:
         for name, arm in arms.items():
             gae = f" gae={arm.gae}" if arm.gae != "actions" else ""
-            print(f"{name:14} {arm.trainer:7} reward={arm.reward:8}{gae} {json.dumps(arm.overrides)}  {arm.note}")
+            print(f"{name:14} {arm.trainer:8} reward={arm.reward:8}{gae} {json.dumps(arm.overrides)}  {arm.note}")
         return 0
     wanted = list(dict.fromkeys(args.arms + [parse_arm(t)[0] for t in args.arm]))
     unknown = [a for a in wanted if a not in arms]
     if unknown:
         raise SystemExit(f"--arms {unknown}: unknown; pick from {sorted(arms)} or add one with --arm.")
     sys.path.insert(0, str(ROOT))
+    from trl import GRPOConfig
+
     from trl_ppo_ext import PPOConfig
 
-    config_fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    config_fields = {"ours": {f.name for f in dataclasses.fields(PPOConfig)},
+                     "trl_grpo": {f.name for f in dataclasses.fields(GRPOConfig)}}
     chosen = {}
     for name in wanted:
-        missing = missing_fields(arms[name], config_fields)
+        trainer = arms[name].trainer
+        missing = missing_fields(arms[name], config_fields.get(trainer, config_fields["ours"]))
         if missing:
-            print(f"note: arm {name!r} left out: PPOConfig here has no {', '.join(missing)}")
+            print(f"note: arm {name!r} left out: {'GRPOConfig' if trainer == 'trl_grpo' else 'PPOConfig'} here has "
+                  f"no {', '.join(missing)}")
         elif arms[name].trainer == "trl112" and (why := trl_python_ok(args.trl_python)):
             print(f"note: arm {name!r} left out: {why}")
         else:
             chosen[name] = arms[name]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if not args.report_only:
-        execute(args, task_dir, chosen, seeds, {"ours": sys.executable, "trl112": args.trl_python})
+        python_for = {"ours": sys.executable, "trl_grpo": sys.executable, "trl112": args.trl_python}
+        execute(args, task_dir, chosen, seeds, python_for)
     print(report(args, task_dir, list(chosen), seeds))
     print(f"table: {task_dir / 'table.md'}\nplot: {args.out / (args.task + '.png')}")
     return 0

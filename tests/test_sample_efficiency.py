@@ -82,11 +82,13 @@ def test_table_on_fake_logs(se, tmp_path):
     text = se.table(runs, episodes=128, threshold=0.5, window=1, expected_seeds=3)
     head, rule, a, b = text.splitlines()
     cells = {name: [c.strip() for c in line.strip("|").split("|")] for name, line in (("a", a), ("b", b))}
-    assert head.count("|") == rule.count("|") == 11
+    assert head.count("|") == rule.count("|") == 12
     # a: 2 of 3 ran, 1 crashed; half = episode 64 = update 2: 0.4, 0.2 -> mean 0.3, sd sqrt(0.02) = 0.1414
     # final 0.8, 0.6 -> 0.7 +- 0.1414; threshold 0.5 first reached at update 3 (96) by both -> median 96 (2/2)
-    # KL mean (0.5 + 0.3) / 2 = 0.4, entropy (2 + 1) / 2 = 1.5, no explained variance, 2 s per run (crash has none)
-    assert cells["a"] == ["a", "2/3", "1", "0.300 ± 0.141", "0.700 ± 0.141", "96 (2/2)", "0.4", "1.5", "n/a", "2"]
+    # KL mean (0.5 + 0.3) / 2 = 0.4, entropy (2 + 1) / 2 = 1.5, no explained variance, 2 s per run (crash has none),
+    # 2 s over 128 episodes = 15.625 ms per episode
+    assert cells["a"] == ["a", "2/3", "1", "0.300 ± 0.141", "0.700 ± 0.141", "96 (2/2)", "0.4", "1.5", "n/a", "2",
+                          "15.6"]
     # b never reaches 0.5: median over [inf, inf] -> "> budget"
     assert cells["b"][:6] == ["b", "2/3", "0", "0.200 ± 0.141", "0.300 ± 0.141", "> budget (0/2)"]
     assert se.table(runs, episodes=128, threshold=None, window=1, expected_seeds=3).splitlines()[2].split("|")[6] \
