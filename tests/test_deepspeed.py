@@ -3,7 +3,11 @@
 `--num_processes 2 --mixed_precision no` on the command line. Each run is
 `tests/scripts/ppo_deepspeed.py` (tiny models, 2 PPO epochs x 2 mini-batches per update).
 ZeRO-2 is compared with plain DDP, killed (SIGKILL) and preempted (SIGTERM to the launcher)
-and resumed; ZeRO-3 trains sharded, gathers the policy once per rollout and resumes.
+and resumed; ZeRO-3 trains sharded, gathers the policy once per rollout and resumes, and
+trains a custom critic under TRL's default PPOConfig (the conformance row). A launch costs
+~10 s of start-up, so one launch runs several trainers in turn where nothing needs a launch
+of its own: the ZeRO-2 launch also trains the shared actor-critic and resumes both interrupted
+runs, the ZeRO-3 launch holds every ZeRO-3 run.
 
 Skipped without DeepSpeed (`pip install -e ".[test,deepspeed]"`).
 """
@@ -12,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,7 +78,10 @@ def _launch_then_sigterm(config, out, tag, *script_args, timeout=600):
 
 
 def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    """The launch exited 0; else the failure names the run of the launch that was under way."""
+    started = re.findall(r"^ppo_deepspeed: run (\S+) starts$", proc.stdout, re.MULTILINE)
+    where = f"failed in run {started[-1]!r} (runs started: {started})\n" if started else ""
+    assert proc.returncode == 0, where + proc.stdout[-3000:] + proc.stderr[-8000:]
 
 
 def _reports(out, tag):
@@ -91,22 +99,25 @@ def _no_eps(logs):
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
     """DDP and ZeRO-2 runs of the same 3 updates; a ZeRO-2 run killed in update 2 (SIGKILL), one
-    preempted in update 2 (SIGTERM to the launcher), and the resume of each."""
+    preempted in update 2 (SIGTERM to the launcher), and the resume of each. The two resumes
+    are trainers of the ZeRO-2 launch, after its own run and the shared actor-critic's (so
+    ``runs["resumed"]`` and ``runs["after_sigterm"]`` are that launch); the DDP run's last
+    checkpoint is then resumed by one process."""
     out = tmp_path_factory.mktemp("zero2")
     runs = {
         "ddp": _launch(DDP, out, "ddp", "--save"),
-        "zero2": _launch(ZERO2, out, "zero2", "--save", "--also-shared"),
         "killed": _launch(ZERO2, out, "killed", "--save", "--kill-in-update", "2"),
     }
     runs["left_by_kill"] = sorted(os.listdir(out / "killed" / "out"))
-    runs["resumed"] = _launch(ZERO2, out, "resumed", "--save", "--resume", "--run-dir", "killed")
+    runs["preempted"] = _launch_then_sigterm(ZERO2, out, "preempted", "--save", "--wait-for-sigterm-in-update", "2")
+    runs["manifest_at_sigterm"] = json.loads((out / "preempted" / "out" / "run_manifest.json").read_text())
+    runs["zero2"] = _launch(ZERO2, out, "zero2", "--save", "--also-shared",
+                            "--also-resume", "resumed", "killed", "--also-resume", "after_sigterm", "preempted")
+    runs["resumed"] = runs["after_sigterm"] = runs["zero2"]
     # the DDP run's last checkpoint, resumed by one process (plain python) for one more update's worth
     runs["ddp_on_one"] = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), "ddp_on_one", "--resume", "--run-dir", "ddp", "--updates", "4"],
         capture_output=True, text=True, env=_env(cpu=False), timeout=600)
-    runs["preempted"] = _launch_then_sigterm(ZERO2, out, "preempted", "--save", "--wait-for-sigterm-in-update", "2")
-    runs["manifest_at_sigterm"] = json.loads((out / "preempted" / "out" / "run_manifest.json").read_text())
-    runs["after_sigterm"] = _launch(ZERO2, out, "after_sigterm", "--save", "--resume", "--run-dir", "preempted")
     return out, runs
 
 
@@ -198,9 +209,13 @@ def test_a_two_process_checkpoint_resumes_on_one_process_with_a_warning(zero2):
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
+    """One ZeRO-3 launch: 2 updates with a checkpoint after each, then in the same processes the
+    generation probe, a resume from checkpoint-1, the shared actor-critic, and last the
+    conformance row "llama+custom-critic" under "fp32" (TRL's default PPOConfig; its models are
+    built with the others, before the first trainer)."""
     out = tmp_path_factory.mktemp("zero3")
     run = _launch(ZERO3, out, "zero3", "--updates", "2", "--save", "--resume-check", "1", "--also-shared",
-                  "--probe-generation")
+                  "--probe-generation", "--also-conformance", "llama+custom-critic", "fp32")
     return out, run
 
 
@@ -241,3 +256,17 @@ def test_zero3_resumes_exactly_and_saves_full_weights(zero3):
     assert policy and all(torch.equal(saved[k], v) for k, v in policy.items())
     trainable = torch.load(ckpt / "trainable_state.pt")
     assert trainable.keys() == params.keys() and all(torch.equal(trainable[k], params[k]) for k in params)
+
+
+def test_deepspeed_zero3_with_a_custom_critic_trains_and_warns_once(zero3):
+    """The conformance row "llama+custom-critic" under "fp32" (tests/test_conformance.py's
+    matrix), run by ZeRO-3 on 2 CPU processes: generation gathers the policy inside TRL's
+    context, which re-enables checkpointing on exit; it trains 2 updates, saves and reloads
+    the policy; one warning for the run, not one per process."""
+    out, run = zero3
+    _ok(run)
+    rows = [r["conformance"] for r in _reports(out, "zero3")]
+    for rank, row in enumerate(rows):  # what conformance_setups.py prints as "config=fp32 -> PASS"
+        assert row["passed"], f"rank {rank}: {row}"
+    warned = [w for row in rows for w in row["warnings"] if "not applied to the value model (LlamaBackboneCritic)" in w]
+    assert len(warned) == 1, rows

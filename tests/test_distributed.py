@@ -1,7 +1,9 @@
 """Two CPU processes through `accelerate launch` (gloo): a short train() runs, logs gathered
 metrics, keeps parameters in sync; also with peft_config and ref_model=None, which crashes
-TRL 1.12 ('DistributedDataParallel' object has no attribute 'policy'). Then the helpers of
-`trl_ppo_ext.distributed` (the DeepSpeed runs themselves are in tests/test_deepspeed.py)."""
+TRL 1.12 ('DistributedDataParallel' object has no attribute 'policy'). One launch runs every
+mode in turn (its start-up, ~10 s of imports and gloo set-up, is paid once); each mode's test
+reads that mode's reports. Then the helpers of `trl_ppo_ext.distributed` (the DeepSpeed runs
+themselves are in tests/test_deepspeed.py)."""
 
 import json
 import math
@@ -33,11 +35,49 @@ def _launch(args, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools"])
-def test_two_process_train(tmp_path, mode):
-    proc = _launch([str(SCRIPT), str(tmp_path), mode])
+MODES = ["separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """One launch of ppo_two_process.py with every mode, in MODES' order: OUT/<mode>/rank<k>.json
+    for each mode that finished, OUT/<mode>/rank<k>.error for the one that raised (the last run).
+    A launch past its time limit is killed and returned with exit status None."""
+    out = tmp_path_factory.mktemp("two_process")
+    try:
+        return out, _launch([str(SCRIPT), str(out), *MODES], timeout=1200)
+    except subprocess.TimeoutExpired as late:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return out, subprocess.CompletedProcess(late.cmd, None, text(late.stdout), text(late.stderr))
+
+
+def _finished(out, mode):
+    return all((out / mode / f"rank{r}.json").exists() for r in (0, 1))
+
+
+def _mode_reports(runs, mode):
+    """Both processes' reports of ``mode``; a failure that names the mode when it did not finish."""
+    out, proc = runs
+    if _finished(out, mode):
+        return [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)]
+    errors = {(m, r): (out / m / f"rank{r}.error").read_text() for m in MODES for r in (0, 1)
+              if (out / m / f"rank{r}.error").exists()}
+    first = next(m for m in MODES if not _finished(out, m))
+    stopped = (f"mode {' and '.join(sorted({m for m, _ in errors}))} raised" if errors
+               else f"the launch ended with exit status {proc.returncode} in mode {first}")
+    pytest.fail(f"mode {mode!r} wrote no report on both processes ({stopped}; no mode after it runs):\n"
+                + "".join(errors.values())[-6000:] + proc.stdout[-3000:] + proc.stderr[-6000:])
+
+
+def test_the_launch_of_every_mode_exits_cleanly(two_process_runs):
+    """The exit status of the work (and of the launch's end) after the last mode."""
+    out, proc = two_process_runs
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_process_train(two_process_runs, mode):
+    ranks = _mode_reports(two_process_runs, mode)
     assert all(r["world_size"] == 2 for r in ranks)
     assert ranks[0]["batch_size"] == 8  # per_device 2 * grad_accum 2 * 2 processes
     # 16 episodes / 8 per update = 2 updates, logged with metrics gathered from both processes

@@ -1,7 +1,9 @@
 """Model set-ups users bring to a TRL PPO script, and one run of either trainer on them.
 
 tests/test_conformance.py runs every row of its matrix through :func:`run` twice, once with
-``trl_ppo_ext.PPOTrainer`` and once with TRL's own (where TRL 1.12 or older is installed).
+``trl_ppo_ext.PPOTrainer`` and once with TRL's own (where TRL 1.12 or older is installed);
+tests/test_deepspeed.py runs the "llama+custom-critic" row under "fp32" inside its ZeRO-3 launch
+(``ppo_deepspeed.py --also-conformance``, the models built beforehand by :func:`build_row_models`).
 Run as a script, it is the issue-18 report: a custom critic under the default config
 (``python tests/scripts/conformance_setups.py [--trainer trl] [--row SETUP VARIATION] [--out DIR]``;
 ``--matrix ours trl`` prints the whole matrix as a table).
@@ -213,6 +215,16 @@ def build_models(setup: Setup, tok, rm_dir: Path | None = None):
     return policy, ref, value, reward
 
 
+def build_row_models(setup_name: str, root: Path):
+    """``(tokenizer, (policy, ref_policy, value_model, reward_model))`` for a set-up, as :func:`run`
+    builds them. A caller that trains other runs first in the same process builds them with this
+    before any of those: under ZeRO-3, DeepSpeed's partitioning stays switched on for modules
+    constructed after the first trainer."""
+    root.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_tokenizer()
+    return tok, build_models(SETUPS[setup_name], tok, root / "rm")
+
+
 def bf16_available() -> bool:
     """Whether this machine runs bf16 autocast (every recent CPU build of torch does)."""
     if torch.cuda.is_available():
@@ -294,9 +306,11 @@ def _gathered(model: nn.Module, trainer):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def run(which: str, setup_name: str, variation: str, root: Path) -> Outcome:
+def run(which: str, setup_name: str, variation: str, root: Path, models=None) -> Outcome:
     """Train ``UPDATES`` updates of ``which`` trainer ("ours" or "trl") on a set-up under one
-    variation, save the policy, reload it, and compare its logits with the trained policy's."""
+    variation, save the policy, reload it, and compare its logits with the trained policy's.
+    ``models``: what :func:`build_row_models` returned for this set-up, built earlier (default:
+    built here)."""
     import logging
 
     from peft import LoraConfig
@@ -310,8 +324,7 @@ def run(which: str, setup_name: str, variation: str, root: Path) -> Outcome:
     handler.emit = records.append
     logging.getLogger("trl_ppo_ext").addHandler(handler)
     try:
-        tok = build_tiny_tokenizer()
-        policy, ref, value, reward = build_models(setup, tok, root / "rm")
+        tok, (policy, ref, value, reward) = build_row_models(setup_name, root) if models is None else models
         peft_config = None
         if variation == "peft":
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[setup.policy],

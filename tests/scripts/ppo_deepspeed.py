@@ -3,7 +3,8 @@
 
     ppo_deepspeed.py OUT TAG [--shared] [--updates N] [--save] [--kill-in-update K] [--resume]
                              [--wait-for-sigterm-in-update K] [--run-dir NAME] [--resume-check K]
-                             [--also-shared] [--probe-generation]
+                             [--also-shared] [--probe-generation] [--also-resume TAG2 RUN_DIR]...
+                             [--also-conformance SETUP VARIATION]
 
 --shared            the LoRA shared-backbone actor-critic (default: separate policy/value/ref/reward)
 --save              checkpoint after every update (into OUT/<run-dir or TAG>/out)
@@ -17,6 +18,14 @@
 --also-shared       afterwards, train the shared LoRA actor-critic for as many updates
 --probe-generation  afterwards, count ZeRO-3 gathers and per-module parameter fetches during one
                     rollout's generation, with ds3_gather_for_generation True and False
+--also-resume TAG2 RUN_DIR
+                    afterwards, a fresh trainer resumes from the latest checkpoint in
+                    OUT/<RUN_DIR>/out and trains to the end, writing OUT/<TAG2>_rank<k>.json and
+                    OUT/<TAG2>_params.pt: what a launch `TAG2 --resume --run-dir RUN_DIR` (with
+                    this call's --save and --updates) writes, without a launch of its own; repeatable
+--also-conformance SETUP VARIATION
+                    last, one row of tests/scripts/conformance_setups.py (``run("ours", ...)``,
+                    TRL's default PPOConfig), its outcome in the report under "conformance"
 
 Every model is built before the first trainer: under ZeRO-3, DeepSpeed's partitioning stays
 switched on for modules constructed later in the same process.
@@ -149,6 +158,35 @@ def resume_check(tok, models, opts, main, checkpoint: int) -> dict:
             "logs_equal": strip(logs(main))[checkpoint:] == strip(logs(again))[checkpoint:]}
 
 
+def announce(run: str) -> None:
+    """Say which run of this launch starts: a launch that fails is named by its last one."""
+    print(f"ppo_deepspeed: run {run} starts", flush=True)
+
+
+def train_and_report(trainer, resume: bool) -> dict:
+    """Train ``trainer`` (from its latest checkpoint if ``resume``): what the report says of a run."""
+    steps = record_optimizer_steps(trainer)
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "zero_stage": zero_stage(trainer.accelerator),
+        "logs": logs(trainer),
+        "optimizer_steps": steps,
+        "train_seconds": time.perf_counter() - start,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "partitioned": sum(hasattr(v, "ds_id") and v.ds_tensor.numel() < v.ds_numel
+                           for v in trainer.unwrapped.parameters() if v.requires_grad),
+        "trainable": sum(v.requires_grad for v in trainer.unwrapped.parameters()),
+    }
+
+
+def save_params(trainer, out: Path, tag: str) -> None:
+    params = trainable_params(trainer)  # a collective under ZeRO-3: every rank takes part
+    if trainer.accelerator.process_index == 0:
+        torch.save(params, out / f"{tag}_params.pt")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -163,44 +201,55 @@ def main():
     parser.add_argument("--resume-check", type=int, default=None)
     parser.add_argument("--also-shared", action="store_true")
     parser.add_argument("--probe-generation", action="store_true")
+    parser.add_argument("--also-resume", nargs=2, action="append", default=[], metavar=("TAG2", "RUN_DIR"))
+    parser.add_argument("--also-conformance", nargs=2, default=None, metavar=("SETUP", "VARIATION"))
     opts = parser.parse_args()
     torch.set_num_threads(1)
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    models = [tiny_models(tok) for _ in range(1 + (opts.resume_check is not None) + opts.also_shared)]
+    runs = 1 + (opts.resume_check is not None) + opts.also_shared + len(opts.also_resume)
+    models = [tiny_models(tok) for _ in range(runs)]
+    if opts.also_conformance:
+        import conformance_setups  # beside this file
+
+        conformance_root = opts.out / f"{opts.tag}_conformance"
+        conformance_models = conformance_setups.build_row_models(opts.also_conformance[0], conformance_root)
 
     KilledInUpdate.kill_in_update = opts.kill_in_update
     WaitsForSigterm.in_update = opts.wait_for_sigterm_in_update
     WaitsForSigterm.marker = opts.out / f"{opts.tag}.waiting"
     cls = KilledInUpdate if opts.kill_in_update else WaitsForSigterm if opts.wait_for_sigterm_in_update else PPOTrainer
+    announce(opts.tag)
     trainer = build_trainer(tok, models.pop(0), opts, opts.out / (opts.run_dir or opts.tag), opts.shared, cls)
-    steps = record_optimizer_steps(trainer)
-    start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=True if opts.resume else None)
-    report = {
-        "world_size": trainer.accelerator.num_processes,
-        "zero_stage": zero_stage(trainer.accelerator),
-        "logs": logs(trainer),
-        "optimizer_steps": steps,
-        "train_seconds": time.perf_counter() - start,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "partitioned": sum(hasattr(v, "ds_id") and v.ds_tensor.numel() < v.ds_numel
-                           for v in trainer.unwrapped.parameters() if v.requires_grad),
-        "trainable": sum(v.requires_grad for v in trainer.unwrapped.parameters()),
-    }
+    report = train_and_report(trainer, opts.resume)
     rank = trainer.accelerator.process_index
-    params = trainable_params(trainer)
-    if rank == 0:
-        torch.save(params, opts.out / f"{opts.tag}_params.pt")
+    save_params(trainer, opts.out, opts.tag)
     if opts.probe_generation:
+        announce(f"{opts.tag}/probe-generation")
         report["generation"] = probe_generation(trainer)
     if opts.resume_check is not None:
+        announce(f"{opts.tag}/resume-check")
         report["resume_check"] = resume_check(tok, models.pop(0), opts, trainer, opts.resume_check)
     if opts.also_shared:
+        announce(f"{opts.tag}/shared")
         shared = build_trainer(tok, models.pop(0), opts, opts.out / f"{opts.tag}_shared", shared=True)
         shared_steps = record_optimizer_steps(shared)
         shared.train()
         report["shared"] = {"logs": logs(shared), "optimizer_steps": shared_steps,
                             "adapter_params": sum(v.requires_grad for v in shared.unwrapped.parameters())}
+    for tag, run_dir in opts.also_resume:
+        announce(tag)
+        again = build_trainer(tok, models.pop(0), opts, opts.out / run_dir, opts.shared)
+        again_report = train_and_report(again, resume=True)
+        save_params(again, opts.out, tag)
+        (opts.out / f"{tag}_rank{rank}.json").write_text(json.dumps(again_report))
+    if opts.also_conformance:
+        setup_name, variation = opts.also_conformance
+        announce(f"conformance:{setup_name}:{variation}")
+        outcome = conformance_setups.run("ours", setup_name, variation, conformance_root, models=conformance_models)
+        report["conformance"] = {"passed": outcome.passed, "updates": outcome.updates,
+                                 "policy_moved": outcome.policy_moved, "value_moved": outcome.value_moved,
+                                 "reload_matches": outcome.reload_matches, "warnings": outcome.warnings,
+                                 "error": outcome.error, "trace": outcome.trace}
     (opts.out / f"{opts.tag}_rank{rank}.json").write_text(json.dumps(report))
     trainer.accelerator.end_training()
 

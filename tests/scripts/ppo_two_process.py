@@ -1,15 +1,24 @@
-"""Short PPO run meant for `accelerate launch` with 2 CPU processes (see tests/test_distributed.py).
+"""Short PPO runs meant for `accelerate launch` with 2 CPU processes (see tests/test_distributed.py).
 
-Writes `<out>/rank<k>.json` with what the test checks: the world size, every logged metric,
-and whether each process's shard of the rollout data differed.
+    ppo_two_process.py OUT MODE [MODE ...]
+
+Runs one short train() per MODE, in the order given, in this one launch (the launch's start-up,
+imports and gloo set-up, is paid once). Each writes `OUT/<MODE>/rank<k>.json` with what the test
+checks: the world size, every logged metric, the optimizer steps and micro-batches per update, a
+parameter checksum, and the mode's own facts. A mode that raises writes `OUT/<MODE>/rank<k>.error`
+(its traceback) and ends the launch there (exit status 1): the other process may be waiting in a
+collective, so no later mode runs.
 """
 
+import gc
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from peft import LoraConfig
 from tiny_setup import (  # beside this file
     TOOL_CALL,
@@ -41,8 +50,22 @@ class ToolTurns(PPOTrainer):
 
 
 def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+    out, modes = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
+    for mode in modes:
+        (out / mode).mkdir(parents=True, exist_ok=True)
+        try:
+            run_mode(out / mode, mode)
+        except BaseException:
+            (out / mode / f"rank{os.environ.get('RANK', '0')}.error").write_text(traceback.format_exc())
+            raise
+        gc.collect()
+    PartialState().destroy_process_group()
+
+
+def run_mode(out: Path, mode: str) -> None:
+    """One short train() of ``mode`` (separate models unless the mode says otherwise), written
+    to ``out/rank<k>.json``; models, tokenizer and trainer are the mode's own."""
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     policy, ref, value, reward = tiny_models(tok)
     peft = mode == "peft"
@@ -117,7 +140,6 @@ def main() -> None:
         "rank_column": None if completions is None else completions["rank"].tolist(),
         "eval_prompt_words": None if eval_dataset is None else sum(map(len, eval_dataset["input_ids"])) / 5,
     }))
-    trainer.accelerator.end_training()
 
 
 def _value_adapter_sum(model) -> float:
