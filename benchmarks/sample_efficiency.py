@@ -3,6 +3,7 @@
     python benchmarks/sample_efficiency.py --task synthetic --arms trl112 defaults --seeds 8 --out DIR
     python benchmarks/sample_efficiency.py --task verifiable --arms trl112 defaults recipe --out DIR
     python benchmarks/sample_efficiency.py --task long --arms trl_grpo defaults --memory --out DIR
+    python benchmarks/sample_efficiency.py --task tools_env --arms defaults trl_grpo --out DIR
     python benchmarks/sample_efficiency.py --list-arms
 
 An *arm* is a name for a way to train: config overrides on top of the task's settings, which
@@ -59,6 +60,20 @@ The tasks (``TASKS``):
   mean episode reward of the update's rollout. This package's trainer only (TRL 1.12's has no
   ``rollout_func``); the arm ``step_through`` runs GAE through the environment's tokens as if
   they were actions (``step_through_gae``), against ``defaults``' GAE over the action tokens.
+* ``tools_env``: ``examples/ppo_tools.py``'s calculator task (``examples/tool_task.py``: ``"23*47"``
+  -> ``"1081"``; the tiny policy cannot multiply, the ``multiply`` tool can) as an environment
+  with turns and one reward at the end: ``environment_factory=Calculator`` (TRL 1.16's contract:
+  ``reset(**row)``, its public method ``multiply`` the tool, with the example's schema, so the
+  prompts are the example's ids) for both trainers, and the same reward, the example's
+  ``correct_answer`` (a message list per episode). The initial policy is the example's SFT
+  warm-up, built once per seed (``build_tools_env_sft``: ``ppo_tools.TaskArguments``' defaults as
+  they are when the benchmark runs, the hidden size among them); ``defaults`` trains it with
+  ``ppo_tools.PPO_DEFAULTS`` (768 episodes = 24 updates of 32, response_length 48 = the whole
+  episode, one round of tools, ``enable_thinking`` off, lr 3e-3, kl_coef 0.01, LoRA r 8 / alpha 16
+  with the critic the value head on the policy's backbone, GAE over the policy's own tokens).
+  Its ``reward`` is the accuracy (mean ``correct_answer``) of the update's rollout; its rows also
+  keep ``call_rate``, the share of the rollout's episodes in which the calculator returned a
+  product (counted by the environments, ``tool_calls_measured``), and the table a column of it.
 
 TRL's trainer needs a separate value model: as TRL's example script does, it is initialised
 from the reward model (synthetic) or, with no reward model, from the SFT checkpoint with a
@@ -68,17 +83,22 @@ examples (value head on the policy's backbone).
 The ``trl_grpo`` arm is TRL's own ``GRPOTrainer`` (of the installed TRL, 1.16 in /work/venv), a
 peer for this package's critic-free estimators (e.g. ``--arm
 grpo:advantage_estimator=grpo,num_generations=4``; rloo, reinforce_pp_baseline alike), on the
-``synthetic``, ``verifiable`` and ``long`` tasks (``multiturn`` is refused: its ``rollout_func``
-samples with this package's ``trainer.generate_continuations``). What it shares with the
-``ours`` arms: the task's initial policy per seed (built or loaded exactly as they do), the LoRA
-rank, alpha and targets as ``peft_config`` (but ``lm_head``, trained whole through
-``modules_to_save``: TRL 1.16's GRPO refuses an adapter there, its fused LM head reads
-``lm_head.weight`` directly; see ``grpo_lora``), the prompts (as text that its tokenizer turns
-back into exactly the same ids: ``prompt_texts``), learning rate, temperature (0.7 synthetic and
-long, 1.0 verifiable), ``max_completion_length`` = the task's response_length, stopping at
-``<eos>`` (the tokenizer's EOS, which GRPO always adds to the model's generation_config), the
-episode budget counted in completions, and the update shape (``grpo_settings``): one generation
-batch = the task's rollout batch (32 synthetic and long, 64 verifiable) of ``num_generations=4``
+``synthetic``, ``verifiable`` and ``long`` tasks, and against this package's critic on
+``tools_env``, where both trainers run their tool loop with ``environment_factory=Calculator``
+(``multiturn`` is refused: its ``rollout_func`` samples with this package's
+``trainer.generate_continuations``). What it shares with the ``ours`` arms: the task's initial
+policy per seed (built or loaded exactly as they do), the LoRA rank, alpha and targets as
+``peft_config`` (but ``lm_head``, trained whole through ``modules_to_save``: TRL 1.16's GRPO refuses
+an adapter there, its fused LM head reads ``lm_head.weight`` directly; see ``grpo_lora``), the
+prompts (as text that its tokenizer turns back into exactly the same ids: ``prompt_texts``; on
+tools_env the same conversations, which both render with the tool's schema), learning rate,
+temperature (0.7 synthetic and long, 1.0 verifiable and tools_env), ``max_completion_length`` = the
+task's response_length (on tools_env TRL's budget of the whole multi-turn completion, tool replies
+included, as ours),
+``max_tool_calling_iterations`` and ``chat_template_kwargs`` as ours, stopping at ``<eos>`` (the
+tokenizer's EOS, which GRPO always adds to the model's generation_config), the episode budget
+counted in completions, and the update shape (``grpo_settings``): one generation batch = the
+task's rollout batch (32 synthetic, long and tools_env, 64 verifiable) of ``num_generations=4``
 completions per prompt, as this package's group estimators are run (so 8 or 16 prompts per
 batch where ``defaults`` has 32 or 64); ``steps_per_generation`` = our ``num_mini_batches`` (2) optimizer
 steps of ``per_device_train_batch_size`` = batch / 2 rows, no gradient accumulation, and
@@ -89,9 +109,11 @@ is TRL GRPO's defaults: ``beta`` 0 (no KL term, no reference model; ``kl`` is No
 its optimizer steps (ours decays per update). Its rewards: synthetic, the task's trained reward
 model read on prompt + completion ids at the last completion token (``reward_model_function``,
 as this package reads it); verifiable, the example's reward functions with their weights
-(``reward_weights``); long, ``long_task_reward`` on the completion ids. Its rows come from what
+(``reward_weights``); long, ``long_task_reward`` on the completion ids; tools_env, ``correct_answer``
+on the message lists, as ours. Its rows come from what
 the reward functions saw per generation batch (``GRPORecorder``: the true reward or the exact
-answer of those completions, measured as for the other arms) and from TRL's per-step logs
+answer of those completions, measured as for the other arms; on tools_env also the call rate,
+read from the environments the reward function is given) and from TRL's per-step logs
 averaged over the rollout's optimizer steps (``entropy``; ``score`` is GRPO's ``reward``, the
 weighted reward it trained on; ``reward_std`` and ``frac_reward_zero_std`` are kept too).
 
@@ -102,7 +124,10 @@ reach the threshold (the first episode at which that trailing mean reaches it; m
 seeds, and how many reached it); KL, token entropy and explained variance at the end. The
 threshold is the ``trl112`` arm's mean final reward (the goal: reach it in half the
 episodes), else ``--threshold``; then the mean training seconds per run and the median over runs
-of the milliseconds per episode (``train_s`` over the run's episodes). With ``--memory`` each arm
+of the milliseconds per episode (``train_s`` over the run's episodes); where rows have a
+``call_rate`` (tools_env), its mean +- sd over seeds at the first update and at the end. The
+header warns when the finished runs' rows do not all count the same episodes per update
+(``episode_mismatch``). With ``--memory`` each arm
 also gets one more short run (seed 0, ``MEMORY_UPDATES`` = 2 updates) with training inside
 ``trl_ppo_ext.memory.live_tensor_bytes`` (tensors alive at its start, the models, counted); its
 peak goes to ``DIR/<task>/<arm>/memory.json`` and a column "peak live tensors (MiB)" (the tracker
@@ -228,10 +253,11 @@ def missing_fields(arm: Arm, config_fields: set[str]) -> list[str]:
 # ----------------------------------------------------------------------------------- tasks
 @dataclass(frozen=True)
 class TaskSpec:
-    """What a task's runs share; ``episodes`` and ``hidden_size`` are its example's defaults."""
+    """What a task's runs share; ``episodes`` and ``hidden_size`` are its example's defaults (None:
+    read from the example when the benchmark runs, see :func:`task_sizes`)."""
 
-    episodes: int
-    hidden_size: int
+    episodes: int | None
+    hidden_size: int | None
     reward_name: str  # what the row's "reward" is
     batch_size: int  # episodes per update
     rewards: tuple[str, ...] = ("default",)  # the reward variants an arm may pick (see REWARD_VARIANTS)
@@ -255,6 +281,8 @@ TASKS = {
     "verifiable": TaskSpec(episodes=4096, hidden_size=32, reward_name="accuracy", batch_size=64),
     "long": TaskSpec(episodes=2048, hidden_size=32, reward_name="true reward (0 .. 1.5)", batch_size=32),
     "multiturn": TaskSpec(episodes=768, hidden_size=32, reward_name="episode reward (0 .. 1)", batch_size=32),
+    # examples/ppo_tools.py's total_episodes (768) and TaskArguments().hidden_size (64), read at run time
+    "tools_env": TaskSpec(episodes=None, hidden_size=None, reward_name="accuracy", batch_size=32),
 }
 # The long task: the synthetic task's words and prompts, responses of up to LONG_RESPONSE_LENGTH
 # tokens, one reward at the end that only a long answer earns (see long_task_reward). Its PPO
@@ -305,8 +333,9 @@ def _quiet() -> None:
 def task_settings(task_name: str, fields: set[str] | None = None) -> dict:
     """The PPO settings of ``task_name``'s example (see ``TASKS``), keeping only the keys in
     ``fields`` when given (the installed config's fields): ``DEMO_DEFAULTS`` (synthetic), with
-    ``LONG_SETTINGS`` (long), ``examples/ppo_verifiable.py``'s or ``examples/ppo_multiturn.py``'s
-    ``PPO_DEFAULTS``. Run settings (output_dir, logging, ...) are the benchmark's, set on top."""
+    ``LONG_SETTINGS`` (long), ``examples/ppo_verifiable.py``'s, ``examples/ppo_multiturn.py``'s or
+    ``examples/ppo_tools.py``'s (tools_env) ``PPO_DEFAULTS``. Run settings (output_dir, logging, ...)
+    are the benchmark's, set on top."""
     _examples_on_path()
     if task_name in ("synthetic", "long"):
         from ppo_lora import DEMO_DEFAULTS
@@ -316,14 +345,32 @@ def task_settings(task_name: str, fields: set[str] | None = None) -> dict:
         from ppo_verifiable import PPO_DEFAULTS as settings
     elif task_name == "multiturn":
         from ppo_multiturn import PPO_DEFAULTS as settings
+    elif task_name == "tools_env":
+        from ppo_tools import PPO_DEFAULTS as settings
     else:
         raise ValueError(f"task {task_name!r}: pick one of {sorted(TASKS)}.")
     return {k: v for k, v in settings.items() if fields is None or k in fields}
 
 
+def task_sizes(task_name: str) -> tuple[int, int]:
+    """``(episodes, hidden_size)`` of ``task_name``: its ``TaskSpec``'s, or where that says None, its
+    example's as they are now (tools_env: ``ppo_tools.PPO_DEFAULTS["total_episodes"]`` and
+    ``ppo_tools.TaskArguments().hidden_size``), so a change of the example's defaults flows in."""
+    spec = TASKS[task_name]
+    episodes, hidden_size = spec.episodes, spec.hidden_size
+    if task_name == "tools_env" and None in (episodes, hidden_size):
+        _examples_on_path()
+        from ppo_tools import PPO_DEFAULTS, TaskArguments
+
+        episodes = episodes or PPO_DEFAULTS["total_episodes"]
+        hidden_size = hidden_size or TaskArguments().hidden_size
+    return episodes, hidden_size
+
+
 def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> None:
     """Build the models every arm of ``task_name`` starts from for ``seed``, saved to ``model_dir``:
-    the reward model (synthetic) or the SFT warm-up (verifiable). Written atomically."""
+    the reward model (synthetic), the SFT warm-up (verifiable, tools_env) or the initial policy (long,
+    multiturn). Written atomically."""
     _quiet()
     _examples_on_path()
     import torch
@@ -345,6 +392,8 @@ def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> Non
         policy = build_tiny_causal_lm(tokenizer, seed=seed, hidden_size=hidden_size)
         policy.save_pretrained(tmp / "policy")
         info = {}
+    elif task_name == "tools_env":
+        info = build_tools_env_sft(seed, tmp / "sft", hidden_size, trainer_dir=tmp / "trainer")
     elif task_name == "synthetic":
         from ppo_lora import DEMO_DEFAULTS, ScriptArguments
         from synthetic_task import build_task, make_preference_pairs, train_reward_model
@@ -633,6 +682,112 @@ def step_through_trainer(base):
     return StepThroughTrainer
 
 
+# ------------------------------------------------------------------------ the tools_env task
+class Calculator:
+    """The tools_env task's environment in TRL 1.16 GRPO's contract (``environment_factory=Calculator``):
+    ``reset(**row)`` starts an episode (the row's columns, ``prompt`` and ``answer``, are not needed:
+    the prompt already asks), and its one public method, ``multiply``, is the model's tool.
+
+    ``multiply`` has the signature and docstring of ``examples/tool_task.py``'s ``multiply``, so the
+    schema in the prompt (and the prompt's ids: the tokenizer has that text as whole tokens) is the
+    same as a run with ``tools=[multiply]``; it counts the calls that returned a product.
+
+    >>> env = Calculator()
+    >>> env.reset(prompt=[{"role": "user", "content": "23*47"}], answer="1081") is None
+    True
+    >>> env.multiply(23, 47), env.calls
+    ('1081', 1)
+    """
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> str:
+        """Multiply two numbers.
+
+        Args:
+            a: a number.
+            b: a number.
+        """
+        from tool_task import multiply
+
+        product = multiply(a, b)
+        self.calls += 1  # after the product: a call that raises (bad arguments) is not counted
+        return product
+
+
+def correct_answer(completions, answer, **kwargs) -> list[float]:
+    """The tools_env task's reward, the same for both arms: ``examples/tool_task.py``'s
+    ``correct_answer`` (1.0 when the episode's last message is an answer, without a tool call,
+    whose stripped text is the product), in TRL GRPO's convention for tools (``completions``: one
+    message list per episode)."""
+    from tool_task import correct_answer as example_reward
+
+    return example_reward(completions, answer)
+
+
+def tool_calls_measured(kwargs: dict, rewards: list[float]) -> tuple[list[float], dict[str, list[float]]]:
+    """What the tools_env runs record of each scored episode (for :func:`measuring`): the reward
+    (the exact answer) and, from the ``environments`` the trainer passes (one per completion),
+    ``call_rate``: 1.0 where the calculator returned a product, else 0.0.
+
+    >>> env = Calculator()
+    >>> env.reset(); _ = env.multiply(2, 3)
+    >>> idle = Calculator(); idle.reset()
+    >>> tool_calls_measured({"environments": [env, idle]}, [1.0, 0.0])
+    ([1.0, 0.0], {'call_rate': [1.0, 0.0]})
+    """
+    return list(rewards), {"call_rate": [float(env.calls > 0) for env in kwargs["environments"]]}
+
+
+def build_tools_env_sft(seed: int, out: Path, hidden_size: int, *, trainer_dir: Path,
+                        sft_steps: int | None = None) -> dict:
+    """The tools_env task's initial policy for ``seed``, saved to ``out``: ``examples/ppo_tools.py``'s
+    SFT warm-up (a random tiny Llama of ``hidden_size``, room for the prompt and the whole episode,
+    ``tool_task.sft_warm_up`` on its demonstrations) with that script's ``TaskArguments`` defaults
+    as they are now (pairs, split seed, call fraction, steps, learning rate), ``seed`` where the
+    script takes its ``--seed``. ``sft_steps`` overrides the steps (the tests' short runs; 0: the
+    random model, no warm-up). Returns what ``info.json`` keeps of it."""
+    from ppo_tools import TaskArguments
+    from tool_task import build_task, demonstrations, sft_warm_up, split_pairs
+
+    from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+    args = TaskArguments()
+    task = build_task()
+    split = split_pairs(num_sft=args.num_sft_pairs, num_ppo=args.num_ppo_pairs, num_held_out=args.num_held_out_pairs,
+                        seed=args.split_seed)
+    length = len(task.prompt_ids(*split.sft[0])) + task_settings("tools_env")["response_length"]
+    model = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size, max_position_embeddings=length)
+    steps = args.sft_steps if sft_steps is None else sft_steps
+    rows = demonstrations(task, split.sft, call_fraction=args.sft_call_fraction, seed=seed)
+    if steps:  # (a Trainer given max_steps=0 would train for its epochs instead)
+        model = sft_warm_up(task, model, rows, str(trainer_dir), max_steps=steps,
+                            learning_rate=args.sft_learning_rate, seed=seed)
+    model.save_pretrained(out)
+    return {"sft_steps": steps, "sft_learning_rate": args.sft_learning_rate,
+            "sft_call_fraction": args.sft_call_fraction, "num_sft_pairs": len(split.sft)}
+
+
+def tools_env_inputs(model_dir: Path):
+    """``(task, policy, lora, train_dataset)`` of a tools_env run: the example's task, the SFT policy of
+    ``model_dir``, its LoRA (``TaskArguments``' rank, alpha, targets) and its PPO prompt rows
+    (``prompt`` conversations and ``answer``, as a GRPO user brings them)."""
+    from peft import LoraConfig
+    from ppo_tools import TaskArguments
+    from tool_task import build_task, prompt_rows, split_pairs
+    from transformers import AutoModelForCausalLM
+
+    args = TaskArguments()
+    task = build_task()
+    split = split_pairs(num_sft=args.num_sft_pairs, num_ppo=args.num_ppo_pairs, num_held_out=args.num_held_out_pairs,
+                        seed=args.split_seed)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir / "sft")
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                      target_modules=args.lora_target_modules, task_type="CAUSAL_LM")
+    return task, policy, lora, prompt_rows(task, split.ppo)
+
+
 # ------------------------------------------------------------------------- the trl_grpo arm
 # Completions per prompt of the trl_grpo arm: as this package's group arms (advantage_estimator grpo, rloo,
 # reinforce_pp_baseline with num_generations=4), so a rollout batch of 32 holds 8 prompts.
@@ -649,7 +804,10 @@ def grpo_settings(ppo, episodes: int, num_generations: int = GRPO_GENERATIONS) -
     num_mini_batches`` rows, no accumulation), reused ``num_iterations = num_ppo_epochs`` times;
     ``max_steps`` covers ``ceil(episodes / B)`` rollouts, ours' ``num_total_batches``, so both runs
     generate the same completions. Learning rate, temperature and completion budget
-    (``max_completion_length = response_length``) are ours.
+    (``max_completion_length = response_length``: for episodes with tools TRL's budget of the whole
+    multi-turn completion, tool replies included, as our ``response_length``) are ours, and so are
+    the tool loop's ``max_tool_calling_iterations`` and ``chat_template_kwargs`` (None where ``ppo``
+    has none: GRPO's defaults).
 
     >>> from types import SimpleNamespace as NS
     >>> ppo = NS(per_device_train_batch_size=8, gradient_accumulation_steps=4, num_mini_batches=2,
@@ -666,7 +824,9 @@ def grpo_settings(ppo, episodes: int, num_generations: int = GRPO_GENERATIONS) -
     return dict(per_device_train_batch_size=batch // steps, gradient_accumulation_steps=1,
                 steps_per_generation=steps, num_iterations=ppo.num_ppo_epochs, num_generations=num_generations,
                 max_steps=rollouts * steps * ppo.num_ppo_epochs, learning_rate=ppo.learning_rate,
-                temperature=ppo.temperature, max_completion_length=ppo.response_length)
+                temperature=ppo.temperature, max_completion_length=ppo.response_length,
+                max_tool_calling_iterations=getattr(ppo, "max_tool_calling_iterations", None),
+                chat_template_kwargs=getattr(ppo, "chat_template_kwargs", None))
 
 
 def grpo_lora(lora):
@@ -748,7 +908,8 @@ def measuring(func, measure, sink):
     return measured
 
 
-def grpo_row(update: int, measured: list[list[float]], logs: list[dict], steps_per_rollout: int) -> dict:
+def grpo_row(update: int, measured: list[list[float]], logs: list[dict], steps_per_rollout: int,
+             extras: list[dict[str, list[float]]] | None = None) -> dict:
     """The benchmark's row of rollout ``update`` (1-based) of a ``trl_grpo`` run.
 
     Args:
@@ -756,11 +917,14 @@ def grpo_row(update: int, measured: list[list[float]], logs: list[dict], steps_p
             reward, or the exact answer), as the reward functions saw them.
         logs: TRL's logs, one per optimizer step, each with its global ``step``; rollout ``k``
             trained in steps ``(k - 1) * steps_per_rollout + 1 .. k * steps_per_rollout``.
+        extras: per generation batch, further per-completion figures by name (tools_env:
+            ``call_rate``), each kept in the row as its mean; None: none.
     Returns:
         ``update``, ``episode`` (completions generated up to this rollout), ``reward`` (mean of
         its measured values), ``scored``, and the mean over its steps of what TRL logged:
         ``score`` (GRPO's ``reward``: the weighted reward it trained on), ``kl`` (only with
-        beta != 0), ``entropy``, ``reward_std``, ``frac_reward_zero_std``; None where not logged.
+        beta != 0), ``entropy``, ``reward_std``, ``frac_reward_zero_std``; None where not logged; then
+        the mean of each of ``extras``' figures for this rollout.
     """
     values = measured[update - 1]
     first, last = (update - 1) * steps_per_rollout + 1, update * steps_per_rollout
@@ -773,22 +937,26 @@ def grpo_row(update: int, measured: list[list[float]], logs: list[dict], steps_p
     return {"update": update, "episode": sum(len(m) for m in measured[:update]), "reward": statistics.fmean(values),
             "scored": len(values), "score": mean("reward"), "kl": mean("kl"), "entropy": mean("entropy"),
             "explained_variance": None, "reward_std": mean("reward_std"),
-            "frac_reward_zero_std": mean("frac_reward_zero_std")}
+            "frac_reward_zero_std": mean("frac_reward_zero_std"),
+            **{key: statistics.fmean(v) for key, v in (extras[update - 1] if extras else {}).items()}}
 
 
 class GRPORecorder:
     """Rows of a ``trl_grpo`` run from what its reward functions measured per generation batch
-    (``measure``) and from TRL's per-step logs (``log``): a rollout's row is complete once the
-    log of its last optimizer step arrives."""
+    (``measure``: the reward measured, and optionally further per-completion figures by name) and
+    from TRL's per-step logs (``log``): a rollout's row is complete once the log of its last
+    optimizer step arrives."""
 
     def __init__(self, steps_per_rollout: int):
         self.steps_per_rollout = steps_per_rollout
         self.measured: list[list[float]] = []
+        self.extras: list[dict[str, list[float]]] = []
         self.logs: list[dict] = []
         self.rows: list[dict] = []
 
-    def measure(self, values) -> None:
+    def measure(self, values, extras: dict | None = None) -> None:
         self.measured.append([float(v) for v in values])
+        self.extras.append({key: [float(v) for v in got] for key, got in (extras or {}).items()})
 
     def log(self, step: int, logs: dict) -> list[dict]:
         """Keep the log of optimizer step ``step``; return the rows it completes."""
@@ -796,7 +964,7 @@ class GRPORecorder:
             self.logs.append({**logs, "step": step})
         new = []
         while len(self.rows) < len(self.measured) and step >= (len(self.rows) + 1) * self.steps_per_rollout:
-            new.append(grpo_row(len(self.rows) + 1, self.measured, self.logs, self.steps_per_rollout))
+            new.append(grpo_row(len(self.rows) + 1, self.measured, self.logs, self.steps_per_rollout, self.extras))
             self.rows.append(new[-1])
         return new
 
@@ -830,13 +998,19 @@ def run_grpo(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: 
 
     from trl_ppo_ext.tiny import build_tiny_causal_lm
 
-    if task_name not in ("synthetic", "verifiable", "long"):
-        raise ValueError(f"the trl_grpo arm runs the synthetic, verifiable and long tasks, not {task_name!r}.")
+    if task_name not in ("synthetic", "verifiable", "long", "tools_env"):
+        raise ValueError(f"the trl_grpo arm runs the synthetic, verifiable, long and tools_env tasks, not "
+                         f"{task_name!r}.")
     config, ppo = grpo_config(task_name, episodes, output_dir=str(out.parent / f".{out.stem}_trainer"), seed=seed,
                               overrides=arm.overrides)
     steps_per_rollout = config.steps_per_generation * config.num_iterations
     recorder = GRPORecorder(steps_per_rollout)
-    if task_name in ("synthetic", "long"):
+    environments = {}
+    if task_name == "tools_env":  # the same environment, reward, policy, LoRA and prompt rows as ours
+        task, policy, lora, dataset = tools_env_inputs(model_dir)
+        funcs = [measuring(correct_answer, tool_calls_measured, lambda m: recorder.measure(*m))]
+        environments = {"environment_factory": Calculator}
+    elif task_name in ("synthetic", "long"):
         from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
         from synthetic_task import build_task
 
@@ -888,7 +1062,7 @@ def run_grpo(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: 
                 handle.flush()
 
     trainer = GRPOTrainer(model=policy, reward_funcs=funcs, args=config, train_dataset=dataset,
-                          processing_class=task.tokenizer, peft_config=lora, callbacks=[Rows()])
+                          processing_class=task.tokenizer, peft_config=lora, callbacks=[Rows()], **environments)
     train_s = timed_train(trainer, memory)
     handle.close()
     updates = config.max_steps // steps_per_rollout
@@ -957,6 +1131,8 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         raise ValueError(f"gae={arm.gae!r}: this package's arms take {', '.join(map(repr, GAE_MODES))}.")
     if task_name == "multiturn" and arm.trainer == "trl112":
         raise ValueError("the multiturn task needs rollout_func, which TRL 1.12's PPOTrainer does not take.")
+    if task_name == "tools_env" and arm.trainer == "trl112":
+        raise ValueError("the tools_env task needs environment_factory, which TRL 1.12's PPOTrainer does not take.")
     if task_name == "multiturn" and arm.trainer == "trl_grpo":
         raise ValueError("the multiturn task is not run by the trl_grpo arm: the example's rollout_func samples its "
                          "turns with this package's trainer.generate_continuations, which TRL's GRPOTrainer does not "
@@ -976,6 +1152,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             trainer_cls = step_through_trainer(trainer_cls)
 
     names = {f.name for f in dataclasses.fields(config_cls)}
+    batch_extras: dict = {}  # further figures of the update's rollout a task's batch_reward sets (tools_env)
     common = dict(output_dir=str(out.parent / f".{out.stem}_trainer"), total_episodes=episodes,
                   num_sample_generations=0, eval_strategy="no", save_strategy="no", logging_steps=1,
                   report_to="none", disable_tqdm=True, seed=seed, bf16=False)
@@ -1093,6 +1270,25 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
 
         def batch_reward(logs):
             return logs.get("rewards/multiturn_reward/mean"), None
+    elif task_name == "tools_env":
+        task, policy, lora, dataset = tools_env_inputs(model_dir)
+        config = config_cls(**{**task_settings(task_name, names), **common, **arm.overrides})
+        if arm.critic in ("separate", "lora"):
+            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
+            models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
+                          peft_config=lora)
+        else:
+            models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
+        seen: list[tuple[list[float], dict]] = []  # per reward call: the rewards and the call rates
+        models.update(reward_model=None, reward_funcs=[measuring(correct_answer, tool_calls_measured, seen.append)],
+                      environment_factory=Calculator, train_dataset=dataset)
+
+        def batch_reward(logs):
+            values = [v for rewards, _ in seen for v in rewards]
+            calls = [c for _, extras in seen for c in extras["call_rate"]]
+            seen.clear()
+            batch_extras["call_rate"] = statistics.fmean(calls) if calls else None
+            return (statistics.fmean(values) if values else None), len(values)
     else:
         from ppo_verifiable import PPO_DEFAULTS, TaskArguments, ppo_prompts, reward_functions
         from verifiable_task import build_task, split_pairs
@@ -1143,7 +1339,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                 return
             reward, scored = batch_reward(logs)
             row = {"update": state.global_step, "episode": logs["episode"], "reward": reward, "scored": scored,
-                   **{key: logs.get(metric) for key, metric in LOGGED.items()}}
+                   **{key: logs.get(metric) for key, metric in LOGGED.items()}, **batch_extras}
             handle.write(json.dumps(row) + "\n")
             handle.flush()
 
@@ -1265,9 +1461,14 @@ def read_memory(path: Path) -> float | None:
 def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float | None, window: int,
           expected_seeds: int, memory: dict[str, float | None] | None = None) -> str:
     """The markdown table of the module docstring; with ``memory`` (arm -> peak MiB or None) a last
-    column of the memory runs' peaks."""
+    column of the memory runs' peaks; where any row has a ``call_rate`` (tools_env), a column of it
+    at the first update and at the end (the mean of the last ``window`` updates), each mean +- sd
+    over the seeds."""
+    calls = any("call_rate" in row for runs in runs_by_arm.values() for r in runs for row in r.rows)
     head = ("| arm | runs | crashed | reward at half | final reward | episodes to threshold (median, reached) "
             "| final KL | final entropy | final expl. var. | train s / run | ms / episode (median) |")
+    if calls:
+        head += " call rate: first update → final |"
     if memory is not None:
         head += " peak live tensors (MiB) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -1292,6 +1493,8 @@ def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float 
             f"| {_mean([value_at(r, 'explained_variance', episodes, window) for r in ok])} "
             f"| {_mean([r.train_s for r in runs if r.train_s is not None])} "
             f"| {_median([ms_per_episode(r) for r in runs])} |"
+            + (f" {_mean_sd([r.rows[0].get('call_rate') for r in ok if r.rows])} → "
+               f"{_mean_sd([value_at(r, 'call_rate', episodes, window) for r in ok])} |" if calls else "")
             + (f" {_number(memory.get(name), '.1f')} |" if memory is not None else "")
         )
     return "\n".join(lines)
@@ -1440,6 +1643,25 @@ def execute(args, task_dir: Path, arms: dict[str, Arm], seeds: list[int], python
                 print(line, flush=True)
 
 
+def episode_mismatch(runs_by_arm: dict[str, list[Run]]) -> str | None:
+    """None when every finished run's rows have the same ``episode`` column (the arms generated the
+    same completions per update), else which runs differ from the first one's.
+
+    >>> rows = lambda *episodes: [{"episode": e} for e in episodes]
+    >>> episode_mismatch({"a": [Run(0, rows(32, 64))], "b": [Run(0, rows(32, 64)), Run(1, rows(32, 64))]}) is None
+    True
+    >>> episode_mismatch({"a": [Run(0, rows(32, 64))], "b": [Run(1, rows(32, 60))]})
+    'episodes per update differ from a seed 0: b seed 1'
+    """
+    runs = [(name, r) for name, rs in runs_by_arm.items() for r in rs if r.crashed is None]
+    if not runs:
+        return None
+    (first_name, first), *rest = runs
+    episodes = [row["episode"] for row in first.rows]
+    odd = [f"{name} seed {r.seed}" for name, r in rest if [row["episode"] for row in r.rows] != episodes]
+    return f"episodes per update differ from {first_name} seed {first.seed}: {', '.join(odd)}" if odd else None
+
+
 def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
     """Read every run of ``arm_names``; write the table and the plot; return the table."""
     runs_by_arm = {}
@@ -1461,6 +1683,9 @@ def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
     if any(v is not None for v in memory.values()):
         header += (f"; peak live tensors: one run per arm, seed {MEMORY_SEED}, {MEMORY_UPDATES} updates, inside "
                    "trl_ppo_ext.memory.live_tensor_bytes (models included)")
+    mismatch = episode_mismatch(runs_by_arm)
+    if mismatch:
+        header += f"; WARNING: {mismatch}"
     text = header + "\n\n" + text
     (task_dir / "table.md").write_text(text + "\n")
     plot(runs_by_arm, task_dir.parent / f"{args.task}.png", title=f"{args.task} task, {len(seeds)} seeds",
@@ -1499,9 +1724,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    spec = TASKS[args.task]
-    args.episodes = args.episodes or spec.episodes
-    args.hidden_size = args.hidden_size or spec.hidden_size
+    episodes, hidden_size = task_sizes(args.task)
+    args.episodes = args.episodes or episodes
+    args.hidden_size = args.hidden_size or hidden_size
     task_dir = args.out / args.task
     if args.prepare is not None:
         prepare(args.task, args.prepare, task_dir / "_models" / f"seed{args.prepare}", args.hidden_size)
