@@ -217,9 +217,12 @@ def factors(prompt) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- SFT warm-up
 def sft_warm_up(task: ToolTask, model, rows: Dataset, output_dir: str, *, max_steps: int, learning_rate: float,
-                batch_size: int = 16, seed: int = 0, progress: bool = False):
+                lr_scheduler_type: str = "cosine", warmup_ratio: float = 0.1, batch_size: int = 16, seed: int = 0,
+                progress: bool = False):
     """Fine-tune ``model`` in place on ``rows`` (``demonstrations``) with TRL's ``SFTTrainer``:
-    pre-tokenised rows with ``labels``, so the loss is on the model's tokens only.
+    pre-tokenised rows with ``labels``, so the loss is on the model's tokens only. The learning
+    rate rises linearly over the first ``warmup_ratio`` of the steps, then follows
+    ``lr_scheduler_type`` (transformers' names: ``"cosine"`` decays it to 0, ``"constant"`` keeps it).
 
     Returns:
         The model, in eval mode.
@@ -229,10 +232,11 @@ def sft_warm_up(task: ToolTask, model, rows: Dataset, output_dir: str, *, max_st
 
     args = SFTConfig(
         output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=batch_size,
-        learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0, seed=seed, bf16=False,
-        report_to=[], save_strategy="no", eval_strategy="no", logging_steps=max(1, max_steps // 4),
-        disable_tqdm=not progress, dataloader_pin_memory=False,
-        max_length=None,  # the rows are ~750 ids: the tool's schema is in every prompt; nothing is cut
+        learning_rate=learning_rate, lr_scheduler_type=lr_scheduler_type,
+        warmup_steps=round(warmup_ratio * max_steps),  # steps, not a ratio: older transformers take ints only
+        seed=seed, bf16=False, report_to=[], save_strategy="no", eval_strategy="no",
+        logging_steps=max(1, max_steps // 4), disable_tqdm=not progress, dataloader_pin_memory=False,
+        max_length=None,  # rows are prompt + episode, ~60 ids: nothing is cut
         **_no_checkpointing(SFTConfig),
     )
     trainer = SFTTrainer(model=model, args=args, processing_class=task.tokenizer, train_dataset=rows)
