@@ -1,7 +1,8 @@
 """PPO with a tool: a tiny model learns to call a calculator on the CPU.
 
-    accelerate launch examples/ppo_tools.py      # the whole run: CPU, no hub, about 35 s
-    python examples/ppo_tools.py --help           # every flag (the task's, LoRA's, PPOConfig's)
+    accelerate launch examples/ppo_tools.py                # the whole run: CPU, no hub, about 35 s
+    accelerate launch examples/ppo_tools.py --environment  # the same task through environment_factory=
+    python examples/ppo_tools.py --help                     # every flag (the task's, LoRA's, PPOConfig's)
 
 Nothing is downloaded. The run:
 
@@ -20,12 +21,16 @@ Nothing is downloaded. The run:
    one message list per episode). The trainer runs the tool loop: it parses each turn with
    TRL's parser, calls the tool, appends its reply as environment tokens (no loss, no GAE step)
    and lets the policy answer. The policy is a LoRA adapter on the SFT model, the critic a
-   value head on the same backbone, the reference the SFT model (adapter disabled);
+   value head on the same backbone, the reference the SFT model (adapter disabled). With
+   ``--environment`` the tool is the method of a ``tool_task.Calculator`` drawn per episode
+   (``environment_factory=Calculator``, reset with the episode's row) and the reward
+   ``calculator_answer`` reads the instances (``environments=``); prompts and warm-up are the same;
 4. before and after PPO, on held-out factor pairs sampled at the training temperature: the
-   accuracy (the mean of ``correct_answer``), the share of episodes that call the tool, and the
+   accuracy (the mean of the reward), the share of episodes that call the tool, and the
    accuracy of the episodes that do; printed with sample episodes and written to
    ``<output_dir>/summary.json``. Per-update metrics, ``tools/call_frequency`` and
-   ``rewards/correct_answer/mean`` among them, are in ``log_history.json``.
+   ``rewards/correct_answer/mean`` (``rewards/calculator_answer/mean`` with ``--environment``)
+   among them, are in ``log_history.json``.
 
 Why a calculator: the tiny policy cannot multiply two 2-digit numbers (a direct answer is right
 about never), so the reward comes through the tool, and what PPO has to learn is to call it,
@@ -50,7 +55,9 @@ import torch  # noqa: E402
 from ppo_lora import DEMO_LORA_TARGETS, BarOnly, set_cpu_threads  # noqa: E402
 from tool_task import (  # noqa: E402
     CHAT_TEMPLATE_KWARGS,
+    Calculator,
     build_task,
+    calculator_answer,
     called_tool,
     correct_answer,
     demonstrations,
@@ -99,6 +106,12 @@ class TaskArguments:
         default_factory=lambda: list(DEMO_LORA_TARGETS),
         metadata={"help": "Modules LoRA adapts (lm_head among them, as in examples/ppo_lora.py)."},
     )
+    environment: bool = field(
+        default=False, metadata={"help": "Train with environment_factory=tool_task.Calculator (TRL GRPO's "
+                                 "environments: the tool a method of a per-episode instance, reset with the row) and "
+                                 "the reward calculator_answer, which reads the instances, instead of tools=[multiply] "
+                                 "and correct_answer. The same task, prompts and warm-up."},
+    )
 
 
 # The run's PPO settings; any of them can be overridden on the command line.
@@ -146,7 +159,7 @@ def evaluate(trainer: PPOTrainer, prompts, *, seed: int, num_samples: int = 0) -
     """One episode per prompt at the training temperature, through the trainer's own rollout (the
     tool loop) and reward scoring; the training RNG is left untouched.
 
-    Returns ``accuracy`` (the mean of ``correct_answer``), ``call_rate`` (the share of episodes
+    Returns ``accuracy`` (the mean of the reward), ``call_rate`` (the share of episodes
     with a tool reply), ``accuracy_when_called`` (NaN when none called) and ``"samples"``: the
     first ``num_samples`` episodes as ``{"prompt", "episode", "answer", "reward"}``.
     """
@@ -157,7 +170,7 @@ def evaluate(trainer: PPOTrainer, prompts, *, seed: int, num_samples: int = 0) -
         torch.manual_seed(seed)
         for start in range(0, len(rows), batch_size):
             rollout = trainer.generate_rollout(trainer.data_collator(rows[start : start + batch_size]))
-            _, values, _ = trainer.score_rewards(rollout)  # (b, 1): correct_answer
+            _, values, _ = trainer.score_rewards(rollout)  # (b, 1): the run's one reward
             completions = rollout.extras["completions"]
             correct += values[:, 0].tolist()
             called += called_tool(completions)
@@ -208,6 +221,7 @@ def build_summary(before: dict, after: dict, *, trainer: PPOTrainer, task, split
                 "lr_scheduler_type": task_args.sft_lr_scheduler_type, "warmup_ratio": task_args.sft_warmup_ratio,
                 "call_fraction": task_args.sft_call_fraction},
         "tools": [multiply.__name__],
+        "environment_factory": Calculator.__name__ if task_args.environment else None,
         "rewards": [{"name": r.name, "weight": r.weight} for r in trainer.rewards],
         "lora": {"r": task_args.lora_r, "lora_alpha": task_args.lora_alpha,
                  "target_modules": sorted(task_args.lora_target_modules),
@@ -271,17 +285,21 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
                       target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
     held_out, _ = render_prompts(prompt_rows(task, split.held_out), task.tokenizer)  # the collator pads input_ids
+    # the same tool either way: a function, or the method of an environment drawn per episode and reset with its row
+    tooling, reward = (({"environment_factory": Calculator}, calculator_answer) if task_args.environment
+                       else ({"tools": [multiply]}, correct_answer))
     trainer = PPOTrainer(args=config, processing_class=task.tokenizer, model=SharedActorCritic(model, lora_config=lora),
-                         ref_model=None, reward_model=None, reward_funcs=[correct_answer],
-                         train_dataset=prompt_rows(task, split.ppo), value_model=None, tools=[multiply])
+                         ref_model=None, reward_model=None, reward_funcs=[reward],
+                         train_dataset=prompt_rows(task, split.ppo), value_model=None, **tooling)
     if not config.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(BarOnly())
     before = evaluate(trainer, held_out, seed=task_args.eval_seed, num_samples=task_args.num_samples_shown)
     print_samples("Before PPO (after SFT): held-out prompts", before)
 
-    print(f"\nPPO: {config.total_episodes} episodes, {config.num_total_batches} updates, tools [multiply], reward "
-          "correct_answer")
+    how = "environment_factory=Calculator" if task_args.environment else "tools=[multiply]"
+    print(f"\nPPO: {config.total_episodes} episodes, {config.num_total_batches} updates, {how}, reward "
+          f"{reward.__name__}")
     ppo_start = time.perf_counter()
     trainer.train()
     ppo_time = time.perf_counter() - ppo_start
