@@ -148,7 +148,7 @@ def test_bad_flags_are_refused_before_anything_is_built(flag, value, message):
 # --- the example, whole, in this process ---------------------------------------------------
 # Measured (OMP_NUM_THREADS=1, 2 shared cores), default flags, --seed N (model, demonstrations, PPO) with
 # --split_seed N and with --split_seed 0, N = 0..3: accuracy 0.41-0.53 -> 0.85-0.92, call rate 0.48-0.59 ->
-# 0.95-0.98 on all seven runs (docs/examples.md). The test runs the default, seed 0: 0.531 -> 0.852, 0.586 -> 0.945.
+# 0.94-0.98 on all seven runs (docs/examples.md). The test runs the default, seed 0: 0.531 -> 0.852, 0.586 -> 0.945.
 # In this process rather than a subprocess: the imports are paid once for the file's two runs.
 ACCURACY_GAIN, CALL_RATE_GAIN, CALL_RATE_AFTER = 0.2, 0.2, 0.9
 
