@@ -27,9 +27,13 @@ The pieces:
    so the warm-up sees the ids a rollout produces) and ``prompt_rows`` (the PPO rows);
 4. the reward function, in TRL GRPO's calling convention for tools (``completions`` are message
    lists): ``correct_answer``; and ``called_tool``, a per-episode figure;
-5. ``sft_warm_up``: TRL's ``SFTTrainer`` on the demonstrations.
+5. ``sft_warm_up``: TRL's ``SFTTrainer`` on the demonstrations;
+6. ``Calculator``, the same tool as a TRL GRPO environment (``environment_factory=Calculator``:
+   one instance per episode, ``reset(**row)``, the public method ``multiply``), and
+   ``calculator_answer``, ``correct_answer`` read through the instances (``environments=``).
 
 Used by ``examples/ppo_tools.py`` and the tests (which put ``examples/`` on ``sys.path``).
+Importing it builds nothing: the tokenizer is made by ``build_task``.
 """
 
 from __future__ import annotations
@@ -215,11 +219,75 @@ def factors(prompt) -> tuple[int, int]:
     return int(a), int(b)
 
 
+# ------------------------------------------------------------------------------ environment
+class Calculator:
+    """The task as a TRL GRPO ``environment_factory`` environment: ``environment_factory=Calculator``.
+
+    The trainer makes one instance per concurrent episode and calls ``reset(**row)`` with the
+    episode's dataset row (``prompt_rows``: ``prompt`` and ``answer``) before it starts; the public
+    method ``multiply`` is the episode's tool, with the same schema as the function ``multiply``
+    (so the prompt is the same, id for id, as in a run with ``tools=[multiply]``).
+
+    There is no ``get_reward``: TRL calls it without arguments, so it could judge only what the
+    environment saw (the tool calls), never the final answer, which is plain text after the last
+    call. The reward is ``calculator_answer``, a reward function that reads the episode's messages
+    and its instance (``environments=``), as TRL reward functions do.
+
+    Attributes, after ``reset``:
+        factors: ``(a, b)`` of the episode's prompt ``"a*b"``; product: ``a * b``, the right answer.
+        calls: the ``(a, b)`` of each call to ``multiply`` in this episode, in order.
+
+    Example:
+        >>> env = Calculator()
+        >>> env.reset(prompt=[{"role": "user", "content": "23*47"}], answer="1081") is None
+        True
+        >>> env.multiply(23, 47), env.product, env.calls
+        ('1081', 1081, [(23, 47)])
+    """
+
+    def reset(self, prompt, **row) -> None:
+        """Start an episode: keep the prompt's factors, forget the calls; None leaves the prompt as it is."""
+        self.factors = factors(prompt)
+        self.product = self.factors[0] * self.factors[1]
+        self.calls: list[tuple[int, int]] = []
+        return None
+
+    def multiply(self, a: int, b: int) -> str:
+        """Multiply two numbers.
+
+        Args:
+            a: a number.
+            b: a number.
+        """
+        self.calls.append((a, b))
+        return str(a * b)
+
+
+def calculator_answer(completions, environments, **kwargs) -> list[float]:
+    """``correct_answer`` for a run with ``environment_factory=Calculator``: 1.0 when the episode's
+    last message is an answer (no tool call) whose text, stripped, is the product of its
+    environment's factors; else 0.0. ``environments``: the episodes' instances, in order.
+
+    Example:
+        >>> env = Calculator()
+        >>> _ = env.reset(prompt=[{"role": "user", "content": "23*47"}])
+        >>> calculator_answer([[{"role": "assistant", "content": "1081"}], [{"role": "assistant", "content": "1018"}]],
+        ...                   [env, env])
+        [1.0, 0.0]
+    """
+    return [float(c[-1]["role"] == "assistant" and not c[-1].get("tool_calls")
+                  and (c[-1].get("content") or "").strip() == str(env.product))
+            for c, env in zip(completions, environments)]
+
+
 # ---------------------------------------------------------------------------- SFT warm-up
 def sft_warm_up(task: ToolTask, model, rows: Dataset, output_dir: str, *, max_steps: int, learning_rate: float,
-                batch_size: int = 16, seed: int = 0, progress: bool = False):
+                lr_scheduler_type: str = "cosine", warmup_ratio: float = 0.1, batch_size: int = 16, seed: int = 0,
+                progress: bool = False):
     """Fine-tune ``model`` in place on ``rows`` (``demonstrations``) with TRL's ``SFTTrainer``:
-    pre-tokenised rows with ``labels``, so the loss is on the model's tokens only.
+    pre-tokenised rows with ``labels``, so the loss is on the model's tokens only. The learning
+    rate rises linearly over the first ``warmup_ratio`` of the steps, then follows
+    ``lr_scheduler_type`` (transformers' names: ``"cosine"`` decays it to 0, ``"constant"`` keeps it).
 
     Returns:
         The model, in eval mode.
@@ -229,10 +297,11 @@ def sft_warm_up(task: ToolTask, model, rows: Dataset, output_dir: str, *, max_st
 
     args = SFTConfig(
         output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=batch_size,
-        learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0, seed=seed, bf16=False,
-        report_to=[], save_strategy="no", eval_strategy="no", logging_steps=max(1, max_steps // 4),
-        disable_tqdm=not progress, dataloader_pin_memory=False,
-        max_length=None,  # the rows are ~750 ids: the tool's schema is in every prompt; nothing is cut
+        learning_rate=learning_rate, lr_scheduler_type=lr_scheduler_type,
+        warmup_steps=round(warmup_ratio * max_steps),  # steps, not a ratio: older transformers take ints only
+        seed=seed, bf16=False, report_to=[], save_strategy="no", eval_strategy="no",
+        logging_steps=max(1, max_steps // 4), disable_tqdm=not progress, dataloader_pin_memory=False,
+        max_length=None,  # rows are prompt + episode, ~60 ids: nothing is cut
         **_no_checkpointing(SFTConfig),
     )
     trainer = SFTTrainer(model=model, args=args, processing_class=task.tokenizer, train_dataset=rows)

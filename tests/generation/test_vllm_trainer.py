@@ -195,6 +195,33 @@ def test_the_verifiable_example_runs_with_use_vllm(tmp_path):
     assert len(diffs) == 2 and all(d < LOGP_BOUND for d in diffs), diffs
 
 
+def test_the_tools_example_runs_with_use_vllm(tmp_path):
+    """`examples/ppo_tools.py --use_vllm`, reduced: the tool loop's turns (the tool call, then the
+    answer after the tool's reply) sampled on the engine; the demo model gets head_dim 32, the run
+    ends with finite metrics, the policy called the tool, and every update's sampler mismatch stays
+    below the bound."""
+    import math
+
+    root = Path(__file__).parents[2]
+    out = tmp_path / "tools"
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    args = ["--num_sft_pairs", "64", "--sft_steps", "120", "--sft_call_fraction", "1.0", "--num_ppo_pairs", "64",
+            "--num_held_out_pairs", "16", "--total_episodes", "64", "--logging_steps", "1", "--output_dir", str(out),
+            "--use_vllm", "--disable_tqdm", "true"]  # a short warm-up on calls only, so that episodes call the tool
+    proc = subprocess.run([sys.executable, str(root / "examples" / "ppo_tools.py"), *args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["ppo"]["use_vllm"] is True
+    assert summary["settings"]["policy"]["hidden_size"] == 128
+    history = [h for h in json.loads((out / "log_history.json").read_text()) if "objective/scores" in h]
+    assert len(history) == 2
+    for h in history:
+        assert all(math.isfinite(v) for v in h.values() if isinstance(v, float)), h
+        assert h["sampling/sampling_logp_difference/max"] < LOGP_BOUND, h
+    assert sum(h["tools/call_frequency"] for h in history) > 0 and summary["call_rate_before"] > 0
+
+
 def test_two_processes_each_sample_with_their_own_engine(tmp_path):
     """`accelerate launch --num_processes 2` (gloo, CPU): each process builds its own colocated engine
     (vLLM's external launcher, as TRL GRPO does), samples its shard of the prompts, and the trainer
