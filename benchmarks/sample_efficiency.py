@@ -683,37 +683,15 @@ def step_through_trainer(base):
 
 
 # ------------------------------------------------------------------------ the tools_env task
-class Calculator:
-    """The tools_env task's environment in TRL 1.16 GRPO's contract (``environment_factory=Calculator``):
-    ``reset(**row)`` starts an episode (the row's columns, ``prompt`` and ``answer``, are not needed:
-    the prompt already asks), and its one public method, ``multiply``, is the model's tool.
+def calculator_class():
+    """The tools_env task's environment: ``examples/tool_task.py``'s ``Calculator`` (TRL 1.16 GRPO's
+    ``environment_factory`` contract: ``reset(**row)``, its one public method ``multiply`` the tool,
+    with the schema of the example's ``multiply``, so both trainers render the example's prompt
+    ids; ``calls`` lists the calls that returned a product)."""
+    _examples_on_path()
+    from tool_task import Calculator
 
-    ``multiply`` has the signature and docstring of ``examples/tool_task.py``'s ``multiply``, so the
-    schema in the prompt (and the prompt's ids: the tokenizer has that text as whole tokens) is the
-    same as a run with ``tools=[multiply]``; it counts the calls that returned a product.
-
-    >>> env = Calculator()
-    >>> env.reset(prompt=[{"role": "user", "content": "23*47"}], answer="1081") is None
-    True
-    >>> env.multiply(23, 47), env.calls
-    ('1081', 1)
-    """
-
-    def reset(self, **row) -> None:
-        self.calls = 0
-
-    def multiply(self, a: int, b: int) -> str:
-        """Multiply two numbers.
-
-        Args:
-            a: a number.
-            b: a number.
-        """
-        from tool_task import multiply
-
-        product = multiply(a, b)
-        self.calls += 1  # after the product: a call that raises (bad arguments) is not counted
-        return product
+    return Calculator
 
 
 def correct_answer(completions, answer, **kwargs) -> list[float]:
@@ -731,13 +709,14 @@ def tool_calls_measured(kwargs: dict, rewards: list[float]) -> tuple[list[float]
     (the exact answer) and, from the ``environments`` the trainer passes (one per completion),
     ``call_rate``: 1.0 where the calculator returned a product, else 0.0.
 
-    >>> env = Calculator()
-    >>> env.reset(); _ = env.multiply(2, 3)
-    >>> idle = Calculator(); idle.reset()
+    >>> Calculator = calculator_class()
+    >>> env, idle = Calculator(), Calculator()
+    >>> env.reset(prompt=[{"role": "user", "content": "2*3"}]); _ = env.multiply(2, 3)
+    >>> idle.reset(prompt=[{"role": "user", "content": "2*3"}])
     >>> tool_calls_measured({"environments": [env, idle]}, [1.0, 0.0])
     ([1.0, 0.0], {'call_rate': [1.0, 0.0]})
     """
-    return list(rewards), {"call_rate": [float(env.calls > 0) for env in kwargs["environments"]]}
+    return list(rewards), {"call_rate": [float(len(env.calls) > 0) for env in kwargs["environments"]]}
 
 
 def build_tools_env_sft(seed: int, out: Path, hidden_size: int, *, trainer_dir: Path,
@@ -763,9 +742,11 @@ def build_tools_env_sft(seed: int, out: Path, hidden_size: int, *, trainer_dir: 
     rows = demonstrations(task, split.sft, call_fraction=args.sft_call_fraction, seed=seed)
     if steps:  # (a Trainer given max_steps=0 would train for its epochs instead)
         model = sft_warm_up(task, model, rows, str(trainer_dir), max_steps=steps,
-                            learning_rate=args.sft_learning_rate, seed=seed)
+                            learning_rate=args.sft_learning_rate, lr_scheduler_type=args.sft_lr_scheduler_type,
+                            warmup_ratio=args.sft_warmup_ratio, seed=seed)
     model.save_pretrained(out)
     return {"sft_steps": steps, "sft_learning_rate": args.sft_learning_rate,
+            "sft_lr_scheduler_type": args.sft_lr_scheduler_type, "sft_warmup_ratio": args.sft_warmup_ratio,
             "sft_call_fraction": args.sft_call_fraction, "num_sft_pairs": len(split.sft)}
 
 
@@ -1009,7 +990,7 @@ def run_grpo(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: 
     if task_name == "tools_env":  # the same environment, reward, policy, LoRA and prompt rows as ours
         task, policy, lora, dataset = tools_env_inputs(model_dir)
         funcs = [measuring(correct_answer, tool_calls_measured, lambda m: recorder.measure(*m))]
-        environments = {"environment_factory": Calculator}
+        environments = {"environment_factory": calculator_class()}
     elif task_name in ("synthetic", "long"):
         from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
         from synthetic_task import build_task
@@ -1281,7 +1262,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
             models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
         seen: list[tuple[list[float], dict]] = []  # per reward call: the rewards and the call rates
         models.update(reward_model=None, reward_funcs=[measuring(correct_answer, tool_calls_measured, seen.append)],
-                      environment_factory=Calculator, train_dataset=dataset)
+                      environment_factory=calculator_class(), train_dataset=dataset)
 
         def batch_reward(logs):
             values = [v for rewards, _ in seen for v in rewards]

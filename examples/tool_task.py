@@ -235,7 +235,7 @@ class Calculator:
 
     Attributes, after ``reset``:
         factors: ``(a, b)`` of the episode's prompt ``"a*b"``; product: ``a * b``, the right answer.
-        calls: the ``(a, b)`` of each call to ``multiply`` in this episode, in order.
+        calls: the ``(a, b)`` of each call to ``multiply`` that returned a product, in order.
 
     Example:
         >>> env = Calculator()
@@ -259,8 +259,9 @@ class Calculator:
             a: a number.
             b: a number.
         """
-        self.calls.append((a, b))
-        return str(a * b)
+        product = str(a * b)
+        self.calls.append((a, b))  # after the product: a call that raises (bad arguments) is not kept
+        return product
 
 
 def calculator_answer(completions, environments, **kwargs) -> list[float]:

@@ -46,7 +46,7 @@ def test_the_calculator_tool_has_the_example_tools_schema(se):
 
     from trl_ppo_ext.agents.environments import environment_methods
 
-    env = se.Calculator()
+    env = se.calculator_class()()
     (method,) = environment_methods(env)  # reset is a hook, not a tool
     assert method.__name__ == "multiply"
     assert get_json_schema(method) == get_json_schema(multiply)
@@ -65,14 +65,14 @@ def test_both_trainers_render_the_example_prompt_ids(se, task):
     tok = task.tokenizer
     assert not is_chat_template_prefix_preserving(tok)
     rows = [task.conversation(23, 47), task.conversation(99, 32)]
-    fake = SimpleNamespace(processing_class=tok, environment_factories={None: se.Calculator}, _is_vlm=False,
-                           _batch_environments=[None, None], _env_tools={None: [se.Calculator().multiply]},
+    fake = SimpleNamespace(processing_class=tok, environment_factories={None: se.calculator_class()}, _is_vlm=False,
+                           _batch_environments=[None, None], _env_tools={None: [se.calculator_class()().multiply]},
                            chat_template=get_training_chat_template(tok), chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
     grpo_ids, _, _ = GRPOTrainer._tokenize_prompts(fake, rows)
     expected = [task.prompt_ids(*factors(r)) for r in rows]
     assert [list(x) for x in grpo_ids] == expected and len(expected[0]) == 25
 
-    rollout = AgentRollout(tok, environment_factory=se.Calculator, response_length=48,
+    rollout = AgentRollout(tok, environment_factory=se.calculator_class(), response_length=48,
                            chat_template_kwargs=CHAT_TEMPLATE_KWARGS, max_tool_calling_iterations=1)
 
     def answer_at_once(prefixes, max_new_tokens):
@@ -92,7 +92,7 @@ def test_episodes_through_the_calculator_by_hand(se, task):
     from trl_ppo_ext.agents import AgentRollout
 
     tok = task.tokenizer
-    rollout = AgentRollout(tok, environment_factory=se.Calculator, response_length=48,
+    rollout = AgentRollout(tok, environment_factory=se.calculator_class(), response_length=48,
                            chat_template_kwargs=CHAT_TEMPLATE_KWARGS, max_tool_calling_iterations=1)
     turns = iter([[task.call_text(23, 47), task.call_text(40, 50), "1234<|im_end|>"],
                   ["1081<|im_end|>", "2001<|im_end|>"]])  # the second turn: the two rows that called
@@ -104,7 +104,7 @@ def test_episodes_through_the_calculator_by_hand(se, task):
 
     rows = [{"prompt": task.conversation(a, b), "answer": task.answer(a, b)} for a, b in ((23, 47), (40, 50), (12, 34))]
     out = rollout(rows, generate)
-    assert [env.calls for env in out["environments"]] == [1, 1, 0]
+    assert [len(env.calls) for env in out["environments"]] == [1, 1, 0]
     assert [c[1]["content"] for c in out["completions"][:2]] == ["1081", "2000"]  # the tool's replies
     seen = []
     reward = se.measuring(se.correct_answer, se.tool_calls_measured, seen.append)
@@ -114,15 +114,17 @@ def test_episodes_through_the_calculator_by_hand(se, task):
     assert seen == [([1.0, 0.0, 0.0], {"call_rate": [1.0, 1.0, 0.0]})]
     # a new episode resets the count
     out["environments"][0].reset(**rows[0])
-    assert out["environments"][0].calls == 0
+    assert out["environments"][0].calls == []
 
 
 def test_a_call_that_raises_is_not_counted(se):
-    env = se.Calculator()
-    env.reset()
+    env = se.calculator_class()()
+    env.reset(prompt=[{"role": "user", "content": "3*4"}])
     with pytest.raises(TypeError):
         env.multiply(3)  # TRL's loop turns this into {"error": ...}; the calculator returned nothing
-    assert env.calls == 0 and env.multiply(3, 4) == "12" and env.calls == 1
+    with pytest.raises(TypeError):
+        env.multiply(3, None)  # bad arguments that reach the product
+    assert env.calls == [] and env.multiply(3, 4) == "12" and env.calls == [(3, 4)]
 
 
 def test_task_sizes_are_the_example_defaults_read_now(se, monkeypatch):
