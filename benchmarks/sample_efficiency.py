@@ -1505,15 +1505,16 @@ def plot(runs_by_arm: dict[str, list[Run]], path: Path, *, title: str, reward_na
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), gridspec_kw={"width_ratios": [2, 1, 1]})
-    for name, runs in runs_by_arm.items():
+    for i, (name, runs) in enumerate(runs_by_arm.items()):
+        color = f"C{i % 10}"  # one colour per arm in every panel, also where an arm logs no KL
         for ax, key in zip(axes, ("reward", "kl", "entropy")):
             x, mean, sd = curves(runs, key, window)
             if not x:
                 continue
             ok = sum(r.crashed is None for r in runs)
-            line, = ax.plot(x, mean, label=f"{name} ({ok} seeds)" if key == "reward" else None, lw=1.5)
+            ax.plot(x, mean, label=f"{name} ({ok} seeds)" if key == "reward" else None, lw=1.5, color=color)
             ax.fill_between(x, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
-                            color=line.get_color(), alpha=0.2, lw=0)
+                            color=color, alpha=0.2, lw=0)
     if threshold is not None:
         axes[0].axhline(threshold, color="gray", ls="--", lw=1, label=f"threshold {threshold:.3f}")
     axes[0].axvline(episodes / 2, color="gray", ls=":", lw=1)

@@ -306,3 +306,19 @@ def test_shared_actor_critic_has_a_value_head_only_when_the_estimator_trains_a_c
     built["no config"] = (model.has_value, any("value" in n for n, _ in model.named_parameters()))
     assert built == {"gae": (True, True), "grpo": (False, False), "reinforce_pp": (False, False),
                      "no config": (True, True)}
+
+
+def test_an_arm_keeps_its_colour_in_every_panel_when_another_logs_no_kl(se, tmp_path, monkeypatch):
+    """TRL's GRPO (beta 0) logs no KL: its curve is missing from the KL panel, and the arm after it must
+    not take its colour there."""
+    import matplotlib.figure
+
+    write_run(tmp_path / "a.jsonl", [0.1, 0.2], kl=None)
+    write_run(tmp_path / "b.jsonl", [0.3, 0.4], kl=0.5)
+    runs = {"no_kl": [se.read_run(tmp_path / "a.jsonl", 0)], "with_kl": [se.read_run(tmp_path / "b.jsonl", 0)]}
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    se.plot(runs, tmp_path / "p.png", title="t", reward_name="r", threshold=None, episodes=64, window=1)
+    reward_ax, kl_ax, _ = saved[0].axes
+    colour = {line.get_label(): line.get_color() for line in reward_ax.lines}["with_kl (1 seeds)"]
+    assert [line.get_color() for line in kl_ax.lines] == [colour]
