@@ -1530,6 +1530,31 @@ def plot(runs_by_arm: dict[str, list[Run]], path: Path, *, title: str, reward_na
 
 
 # ------------------------------------------------------------------------------- the driver
+# The trl_grpo arm is measured against this TRL's GRPOTrainer (environment_factory, the tool parser and
+# the chat-template helpers the tools_env task needs arrived by 1.16).
+TRL_GRPO_MIN = "1.16"
+
+
+def trl_grpo_ok() -> str | None:
+    """None if this python's TRL can run the ``trl_grpo`` arm (TRL >= ``TRL_GRPO_MIN`` whose
+    ``GRPOTrainer`` imports), else why not."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    try:
+        installed = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return "TRL is not installed"
+    if Version(installed) < Version(TRL_GRPO_MIN):
+        return f"the trl_grpo arm needs TRL >= {TRL_GRPO_MIN}, this python has {installed}"
+    try:
+        from trl import GRPOTrainer  # noqa: F401
+    except Exception as err:  # TRL's lazy module wraps the import error in a RuntimeError
+        return f"trl.GRPOTrainer does not import here: {err}"
+    return None
+
+
 def trl_python_ok(python: str) -> str | None:
     """None if ``python`` has a TRL with a PPO trainer, else why not."""
     if not python or not Path(python).exists():
@@ -1748,6 +1773,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: arm {name!r} left out: {'GRPOConfig' if trainer == 'trl_grpo' else 'PPOConfig'} here has "
                   f"no {', '.join(missing)}")
         elif arms[name].trainer == "trl112" and (why := trl_python_ok(args.trl_python)):
+            print(f"note: arm {name!r} left out: {why}")
+        elif arms[name].trainer == "trl_grpo" and not args.report_only and (why := trl_grpo_ok()):
+            # (reading the logs needs no GRPOTrainer)
             print(f"note: arm {name!r} left out: {why}")
         else:
             chosen[name] = arms[name]
