@@ -172,3 +172,24 @@ def assert_metrics():
 def record_optimizer_steps():
     return tiny_setup.record_optimizer_steps
 
+
+
+@pytest.fixture(scope="session")
+def se():
+    """``benchmarks/sample_efficiency.py`` as a module, with ``examples/`` importable (its tasks)."""
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "benchmarks", root / "examples"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    import sample_efficiency
+
+    return sample_efficiency
+
+
+@pytest.fixture
+def needs_trl_grpo(se):
+    """Skips a test of the benchmark's ``trl_grpo`` arm where TRL's own GRPOTrainer cannot run it
+    (TRL < 1.16: the newest-TRL environment runs these)."""
+    why = se.trl_grpo_ok()
+    if why is not None:
+        pytest.skip(f"needs TRL's GRPOTrainer: {why}")

@@ -13,14 +13,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def se():
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sample_efficiency
-
-    return sample_efficiency
-
 
 def write_run(path: Path, rewards, *, kl=0.1, entropy=1.0, batch=32, end=None):
     """A run file as a worker writes it: one row per update, then the ``done`` row."""

@@ -4,36 +4,11 @@ arms train on, the GRPOConfig it builds per task (arithmetic by hand), its LoRA,
 functions in TRL GRPO's calling convention, and the rows it builds from what they measured."""
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-
-def _trl_grpo_why_not():
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sample_efficiency
-
-    return sample_efficiency.trl_grpo_ok()
-
-
-# TRL's own GRPOTrainer runs these (TRL >= 1.16: the newest-TRL environment of CI).
-NEEDS_TRL_GRPO = pytest.mark.skipif(_trl_grpo_why_not() is not None, reason="needs TRL's GRPOTrainer (TRL >= 1.16)")
-
-@pytest.fixture(scope="module")
-def se():
-    for path in (ROOT / "benchmarks", ROOT / "examples"):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    import sample_efficiency
-
-    return sample_efficiency
 
 
 def task_prompts(task_name: str):
@@ -58,8 +33,7 @@ def task_prompts(task_name: str):
 
 
 @pytest.mark.parametrize("task_name", ["synthetic", "verifiable", "long"])
-@NEEDS_TRL_GRPO
-def test_text_prompts_give_back_the_prompt_ids_through_trl_grpo_tokenization(se, task_name):
+def test_text_prompts_give_back_the_prompt_ids_through_trl_grpo_tokenization(needs_trl_grpo, se, task_name):
     """TRL GRPO tokenizes a text prompt in ``_tokenize_prompts``; called here on the arm's dataset
     it gives back every prompt's ids exactly, as the other arms have them."""
     from trl import GRPOTrainer
@@ -247,8 +221,7 @@ def test_ms_per_episode_and_the_memory_column(se, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@NEEDS_TRL_GRPO
-def test_trl_grpo_and_defaults_runs_line_up_on_the_synthetic_task(se, tmp_path):
+def test_trl_grpo_and_defaults_runs_line_up_on_the_synthetic_task(needs_trl_grpo, se, tmp_path):
     """Both arms end to end, 64 episodes (2 rollouts of 32), a random reward model standing in for
     the trained one: the same episodes per row, the GRPO rows complete; then its memory run's peak."""
     from synthetic_task import build_task

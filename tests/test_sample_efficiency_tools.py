@@ -7,35 +7,10 @@ and the table shows it; the task's sizes are read from the example."""
 
 import doctest
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-
-def _trl_grpo_why_not():
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sample_efficiency
-
-    return sample_efficiency.trl_grpo_ok()
-
-
-# TRL's own GRPOTrainer runs these (TRL >= 1.16: the newest-TRL environment of CI).
-NEEDS_TRL_GRPO = pytest.mark.skipif(_trl_grpo_why_not() is not None, reason="needs TRL's GRPOTrainer (TRL >= 1.16)")
-
-@pytest.fixture(scope="module")
-def se():
-    for path in (ROOT / "benchmarks", ROOT / "examples"):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    import sample_efficiency
-
-    return sample_efficiency
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +39,7 @@ def test_the_calculator_tool_has_the_example_tools_schema(se):
     assert get_json_schema(method) == get_json_schema(multiply)
 
 
-@NEEDS_TRL_GRPO
-def test_both_trainers_render_the_example_prompt_ids(se, task):
+def test_both_trainers_render_the_example_prompt_ids(needs_trl_grpo, se, task):
     """TRL GRPO renders an environment run's prompts in ``_tokenize_prompts`` with each
     environment's tools and, for Qwen3's template (not prefix-preserving), TRL's training template;
     ours renders them in the tool loop. Both give ``ToolTask.prompt_ids``: 25 ids, the example's."""
@@ -226,8 +200,7 @@ def test_trl112_is_refused_on_tools_env(se):
 
 
 @pytest.mark.slow
-@NEEDS_TRL_GRPO
-def test_both_arms_run_the_environment_and_line_up(se, tmp_path):
+def test_both_arms_run_the_environment_and_line_up(needs_trl_grpo, se, tmp_path):
     """Both arms end to end on the task's environment, 64 episodes (2 rollouts of 32), from the random
     model (no warm-up): rows for the same episodes, every completion scored, the call rate a share."""
     model_dir = tmp_path / "_models" / "seed0"

@@ -4,23 +4,10 @@ the stop bonus on the <eos>) and sums to it; ``final`` is that sum as a number; 
 ``other_vocab`` reward model's tokenizer gives every word another id. Expected values by hand."""
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def se():
-    for path in (ROOT / "benchmarks", ROOT / "examples"):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    import sample_efficiency
-
-    return sample_efficiency
 
 
 @pytest.fixture(scope="module")
