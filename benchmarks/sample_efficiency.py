@@ -293,6 +293,20 @@ LONG_TARGET_WORDS = 24
 LONG_SETTINGS = {"response_length": LONG_RESPONSE_LENGTH, "kl_coef": 0.01}
 
 
+def demo_prompts_and_lora(task, seed: int, response_length: int, policy):
+    """The synthetic and long tasks' PPO prompts (``examples/ppo_lora.py``'s training prompts of
+    ``seed``, with room for ``response_length`` within ``policy``'s positions) and the demo's LoRA
+    config (r, alpha, targets, ``lm_head`` among them; no dropout), the same for every arm."""
+    from peft import LoraConfig
+    from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
+
+    prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
+                                   response_length=response_length, max_length=policy.config.max_position_embeddings)
+    lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
+                      target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+    return prompts, lora
+
+
 def long_task_reward(task, response, target_words: int = LONG_TARGET_WORDS) -> float:
     """The long task's rule: ``min(nice words, target_words) / target_words``, plus the synthetic
     task's ``stop_bonus`` for an ``<eos>`` after at least ``target_words`` words. 0 .. 1 + bonus.
@@ -992,7 +1006,6 @@ def run_grpo(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: 
         funcs = [measuring(correct_answer, tool_calls_measured, lambda m: recorder.measure(*m))]
         environments = {"environment_factory": calculator_class()}
     elif task_name in ("synthetic", "long"):
-        from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
         from synthetic_task import build_task
 
         task = build_task(seed)
@@ -1000,11 +1013,7 @@ def run_grpo(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: 
             policy = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
         else:
             policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
-        prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
-                                       response_length=ppo.response_length,
-                                       max_length=policy.config.max_position_embeddings)
-        lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
-                          target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+        prompts, lora = demo_prompts_and_lora(task, seed, ppo.response_length, policy)
         dataset = grpo_prompts(prompts, task.tokenizer)
         if task_name == "synthetic":
             reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model").eval()
@@ -1138,7 +1147,6 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                   num_sample_generations=0, eval_strategy="no", save_strategy="no", logging_steps=1,
                   report_to="none", disable_tqdm=True, seed=seed, bf16=False)
     if task_name == "synthetic":
-        from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
         from synthetic_task import build_task
 
         from trl_ppo_ext.tiny import build_tiny_causal_lm
@@ -1149,11 +1157,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         config = config_cls(**{**task_settings(task_name, names), **common, **weights, **arm.overrides})
         policy = build_tiny_causal_lm(task.tokenizer, seed=seed, hidden_size=hidden_size)
         reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model").eval()
-        prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
-                                       response_length=config.response_length,
-                                       max_length=policy.config.max_position_embeddings)
-        lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
-                          target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+        prompts, lora = demo_prompts_and_lora(task, seed, config.response_length, policy)
         recorder = RewardRecorder(reward_model)
         marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
 
@@ -1191,17 +1195,12 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                           reward_processing_classes=[AutoTokenizer.from_pretrained(path)],
                           reward_funcs=[synthetic_reward_function(task, "measure", seen)])
     elif task_name == "long":
-        from ppo_lora import DEMO_DEFAULTS, DEMO_LORA_TARGETS, ScriptArguments, _render_demo_prompts
         from synthetic_task import build_task
 
         task = build_task(seed)
         config = config_cls(**{**task_settings(task_name, names), **common, **arm.overrides})
         policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
-        prompts = _render_demo_prompts(task, ScriptArguments().num_train_prompts, held_out=False, seed=seed + 3,
-                                       response_length=config.response_length,
-                                       max_length=policy.config.max_position_embeddings)
-        lora = LoraConfig(r=DEMO_DEFAULTS["lora_r"], lora_alpha=DEMO_DEFAULTS["lora_alpha"], lora_dropout=0.0,
-                          target_modules=DEMO_LORA_TARGETS, task_type="CAUSAL_LM")
+        prompts, lora = demo_prompts_and_lora(task, seed, config.response_length, policy)
         marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
         seen: list[float] = []
         if arm.trainer == "trl112" or arm.critic in ("separate", "lora"):  # TRL's example: a value model, fresh head
