@@ -341,7 +341,7 @@ def test_estimator_settings_read_a_config(make_config):
     assert settings["scale_rewards"] == "group" and settings["lam"] == config.lam
 
 
-def _kl_to_go_loop(p, mask, gamma):
+def _returns_to_go_loop(p, mask, gamma):
     out = torch.zeros_like(p, dtype=torch.float64)
     for b in range(p.shape[0]):
         running = 0.0
@@ -353,13 +353,13 @@ def _kl_to_go_loop(p, mask, gamma):
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
-def test_kl_to_go_matches_the_loop(gamma):
+def test_returns_to_go_matches_the_loop(gamma):
     g = torch.Generator().manual_seed(3)
     p = -torch.rand(5, 7, generator=g)
     mask = torch.rand(5, 7, generator=g) > 0.3
     mask[4] = False  # a row with no action token
-    got = E.kl_to_go(p.masked_fill(~mask, 0.0), mask, gamma)
-    torch.testing.assert_close(got.double(), _kl_to_go_loop(p, mask, gamma), rtol=0, atol=1e-6)
+    got = E.returns_to_go(p.masked_fill(~mask, 0.0), mask, gamma)
+    torch.testing.assert_close(got.double(), _returns_to_go_loop(p, mask, gamma), rtol=0, atol=1e-6)
     assert got[~mask].eq(0).all()
 
 

@@ -20,7 +20,7 @@ Where per-token (process) rewards keep a meaning:
   keeps the KL out of the group statistics, as TRL GRPO does (its ``beta`` term is not in the
   rewards): the group-normalised advantage is the same on every action token
   (:func:`broadcast_sequence_advantages`), and the KL penalty is added per token as its
-  return-to-go (:func:`kl_to_go`; OpenRLHF's ``group_norm`` with the KL in the reward). A
+  return-to-go (:func:`returns_to_go` of the penalty; OpenRLHF's ``group_norm`` with the KL in the reward). A
   process reward counts only through the sum: where in the completion it was earned is lost.
 * ``"reinforce_pp"`` and ``"reinforce_pp_baseline"`` keep the rewards per token: each action
   token's advantage is its discounted return-to-go, so a step reward counts for the tokens
@@ -47,7 +47,7 @@ __all__ = [
     "ESTIMATORS", "CRITIC_FREE_ESTIMATORS", "GROUP_ESTIMATORS", "SCALE_REWARDS", "GROUP_STD_EPS",
     "needs_critic", "resolve_scale_rewards", "grouped", "grpo_advantages", "rloo_advantages",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "broadcast_sequence_advantages",
-    "sequence_returns", "kl_to_go", "group_reward_metrics", "estimator_targets", "estimator_settings",
+    "sequence_returns", "returns_to_go", "group_reward_metrics", "estimator_targets", "estimator_settings",
 ]
 
 # PPOConfig.advantage_estimator's values (OpenRLHF's --advantage_estimator / verl's adv_estimator idea).
@@ -217,8 +217,7 @@ def reinforce_pp_advantages(
         ``(advantages, returns)``, both ``(B, T)``, exactly 0 off the action tokens; the returns
         are ``R`` before whitening.
     """
-    values = torch.zeros_like(token_rewards, dtype=F._float_dtype(token_rewards))
-    returns, _ = F.action_masked_gae(token_rewards, values, action_mask, action_mask, gamma, 1.0)
+    returns = returns_to_go(token_rewards, action_mask, gamma)
     return F.masked_global_whiten(returns, action_mask), returns
 
 
@@ -308,35 +307,35 @@ def sequence_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> 
     return torch.where(action_mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum(dim=1)
 
 
-def kl_to_go(kl_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """The KL penalty's share of a ``"grpo"`` advantage: each action token's discounted sum of
-    the per-token penalty from it to the end, ``K[i_k] = p[i_k] + gamma * K[i_{k+1}]`` over row
-    b's action positions ``i_1 < ... < i_n`` (``K[i_{n+1}] = 0``); environment tokens are not
-    steps (not read, not discounted) and get 0. With ``p = -kl_coef * kl`` a token is pushed
-    back toward the reference by the KL it and the tokens after it add -- the return-to-go a
-    critic-free estimator can give a per-token reward (OpenRLHF adds it the same way to its
-    group-normalised score). Naive form::
+def returns_to_go(token_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Each action token's discounted sum of the per-token rewards from it to the end of its row:
+    ``R[i_k] = r[i_k] + gamma * R[i_{k+1}]`` over row b's action positions ``i_1 < ... < i_n``
+    (``R[i_{n+1}] = 0``). Environment tokens (``action_mask`` False inside the response) are not
+    steps: their rewards are not read, they do not discount, and they get 0 (the case ``V = 0``,
+    ``lambda = 1`` of ``functional.action_masked_gae``). REINFORCE++ takes it of the shaped
+    rewards; ``"grpo"`` of the KL penalty alone (``-kl_coef * kl``), which pushes a token back
+    toward the reference by the KL it and the tokens after it add (OpenRLHF adds it the same way
+    to its group-normalised score). Naive form::
 
         for b in range(B):
             running = 0
             for t in reversed(range(T)):
                 if action_mask[b, t]:
-                    running = p[b, t] + gamma * running; K[b, t] = running
+                    running = r[b, t] + gamma * running; R[b, t] = running
 
     Args:
-        kl_rewards: ``(B, T)`` the penalty per token, ``-kl_coef * kl`` (0 off the mask).
-        action_mask: bool ``(B, T)``. gamma: discount in [0, 1].
+        token_rewards: ``(B, T)``. action_mask: bool ``(B, T)``. gamma: discount in [0, 1].
 
     Returns:
         ``(B, T)`` float (at least float32), exactly 0 off the action tokens.
 
-    >>> kl_to_go(torch.tensor([[-0.1, -0.2, -0.3]]), torch.tensor([[True, False, True]]))
+    >>> returns_to_go(torch.tensor([[-0.1, -0.2, -0.3]]), torch.tensor([[True, False, True]]))
     tensor([[-0.4000,  0.0000, -0.3000]])
     """
     F._check_mask(action_mask, "action_mask")
-    F._check_same_shape(kl_rewards=kl_rewards, action_mask=action_mask)
-    values = torch.zeros_like(kl_rewards, dtype=F._float_dtype(kl_rewards))
-    returns, _ = F.action_masked_gae(kl_rewards.to(values.dtype), values, action_mask, action_mask, gamma, 1.0)
+    F._check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
+    values = torch.zeros_like(token_rewards, dtype=F._float_dtype(token_rewards))
+    returns, _ = F.action_masked_gae(token_rewards.to(values.dtype), values, action_mask, action_mask, gamma, 1.0)
     return returns
 
 
@@ -399,7 +398,7 @@ def estimator_targets(
        tokens (score on the last one, per-token rewards added; a non-zero one on an
        environment token is an error), as ``compute_targets`` builds them;
     3. ``advantages``: ``"grpo"``: :func:`grpo_advantages` of :func:`sequence_returns` of the
-       rewards without the KL part, broadcast over the action tokens, plus :func:`kl_to_go` of
+       rewards without the KL part, broadcast over the action tokens, plus :func:`returns_to_go` of
        ``non_score_rewards``' KL part; ``"rloo"``: :func:`rloo_advantages` of the whole sums,
        broadcast; ``"reinforce_pp"``:
        :func:`reinforce_pp_advantages` of ``rewards``; ``"reinforce_pp_baseline"``:
@@ -444,7 +443,7 @@ def estimator_targets(
     zeros = torch.zeros_like(rewards)
     if advantage_estimator == "grpo":  # the KL out of the group statistics, added per token after
         sequence = grpo_advantages(sequence_returns(rewards - non_score, actions), num_generations, scale_rewards)
-        advantages = broadcast_sequence_advantages(sequence, actions) + kl_to_go(non_score, actions, gamma)
+        advantages = broadcast_sequence_advantages(sequence, actions) + returns_to_go(non_score, actions, gamma)
         advantages, returns = advantages.to(rewards.dtype), zeros
         raw = advantages
     elif advantage_estimator == "rloo":
