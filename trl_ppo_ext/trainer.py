@@ -892,13 +892,17 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def reward_text_scores(self, reward, sample: SampledBatch, kwargs: dict | None = None) -> torch.Tensor:
         """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
-        (``reward.tokenizer``): the completions decoded, the RM's text rebuilt (its chat template
-        for conversational prompts) and scored ``local_rollout_forward_batch_size`` rows at a time
+        (``reward.tokenizer``): the RM's text rebuilt (conversational prompts: the prompt and the
+        episode's messages, or the decoded completion as one assistant message, in the RM's chat
+        template with ``chat_template_kwargs``; plain: the decoded text) and scored ``local_rollout_forward_batch_size`` rows at a time
         (``reward_text.reward_model_texts``, ``reward_text.score_texts``). ``kwargs``: the batch's
         :meth:`reward_function_kwargs` when already built."""
         kwargs = kwargs if kwargs is not None else self.reward_function_kwargs(sample)
+        # an episode's messages when known (tools, environments, a rollout_func's `completions`): the RM reads
+        # the conversation the episode was, in its own template, as TRL GRPO renders it (issue 40)
         rendered = reward_model_texts(kwargs["prompts"], valid_token_ids(sample)[0], kwargs["completion_ids"],
-                                      self.processing_class, reward.tokenizer)  # plain: decoded as one sequence
+                                      self.processing_class, reward.tokenizer, completions=kwargs.get("completions"),
+                                      chat_template_kwargs=self.args.chat_template_kwargs)
         return score_texts(reward.source, reward.tokenizer, rendered, self.args.local_rollout_forward_batch_size,
                            device=self.accelerator.device, autocast=self.accelerator.autocast)
 

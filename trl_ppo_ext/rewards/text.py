@@ -186,28 +186,53 @@ def plain_reward_texts(prompts: Sequence[str], prompt_ids: Sequence[Sequence[int
 
 
 def reward_model_texts(prompts: Sequence, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                       policy_tokenizer, reward_tokenizer) -> list[str]:
+                       policy_tokenizer, reward_tokenizer, completions: Sequence | None = None,
+                       chat_template_kwargs: dict | None = None) -> list[str]:
     """The text a reward model of its own tokenizer scores, one per completion: conversations
-    rendered with the RM's chat template (:func:`reward_texts` on :func:`completion_texts`), plain
-    prompts joined to their completions as the policy's tokenizer joins them
-    (:func:`plain_reward_texts`)."""
+    rendered with the RM's chat template (:func:`reward_texts`), plain prompts joined to their
+    completions as the policy's tokenizer joins them (:func:`plain_reward_texts`).
+
+    ``completions``: the episodes as message lists when they are known (a tool or environment
+    episode: assistant turns with their tool calls, the ``tool`` messages, the final turn; a
+    ``rollout_func``'s ``completions``); with conversational prompts the RM reads exactly those
+    messages, as TRL GRPO renders them, instead of the decoded ids as one assistant message (which
+    would hold the policy template's glue and tool-response tags). None or plain strings: the
+    completion ids decoded (:func:`completion_texts`). ``chat_template_kwargs``: passed to the
+    RM's template, as TRL does (``{"enable_thinking": False}``)."""
     if prompts and not isinstance(prompts[0], str):
-        return reward_texts(prompts, completion_texts(completion_ids, policy_tokenizer), reward_tokenizer)
+        if completions is not None and all(is_message_list(c) for c in completions):
+            return reward_texts(prompts, completions, reward_tokenizer, chat_template_kwargs)
+        return reward_texts(prompts, completion_texts(completion_ids, policy_tokenizer), reward_tokenizer,
+                            chat_template_kwargs)
     if len(prompts) != len(completion_ids):
         raise ValueError(f"reward_model_texts: {len(prompts)} prompts for {len(completion_ids)} completions.")
     return plain_reward_texts(prompts, prompt_ids, completion_ids, policy_tokenizer)
 
 
-def reward_texts(prompts: Sequence, completions: Sequence[str], reward_tokenizer) -> list[str]:
+def is_message_list(completion) -> bool:
+    """Whether ``completion`` is an episode as chat messages (a list of ``{"role": ...}`` dicts).
+
+    >>> is_message_list([{"role": "assistant", "content": "4"}]), is_message_list("4")
+    (True, False)
+    """
+    return isinstance(completion, list) and bool(completion) and all(
+        isinstance(m, dict) and "role" in m for m in completion)
+
+
+def reward_texts(prompts: Sequence, completions: Sequence, reward_tokenizer,
+                 chat_template_kwargs: dict | None = None) -> list[str]:
     """The text a reward model scores, one per completion (TRL GRPO's construction).
 
     Args:
         prompts: ``B`` prompts: strings, or conversations (lists of ``{"role", "content"}``).
-        completions: ``B`` completion texts (:func:`completion_texts`).
+        completions: ``B`` completion texts (:func:`completion_texts`), or with conversational
+            prompts ``B`` message lists (an episode's turns, tool calls and tool messages).
         reward_tokenizer: the RM's tokenizer; its chat template renders conversations.
+        chat_template_kwargs: passed to the RM's chat template (TRL's ``chat_template_kwargs``).
     Returns:
-        Conversational: ``messages + [{"role": "assistant", "content": completion}]`` rendered
-        with the RM's chat template; plain: ``prompt + completion``.
+        Conversational: ``messages + [{"role": "assistant", "content": completion}]`` (or
+        ``messages + completion`` for a message list) rendered with the RM's chat template and no
+        generation prompt; plain: ``prompt + completion``.
 
     Example:
         >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
@@ -215,6 +240,9 @@ def reward_texts(prompts: Sequence, completions: Sequence[str], reward_tokenizer
         ['w1 w2 w3']
         >>> reward_texts([[{"role": "user", "content": "w1"}]], ["w3"], build_tiny_tokenizer())
         ['<user> w1 <eos> <assistant> w3 <eos> ']
+        >>> turns = [{"role": "assistant", "content": "w2"}, {"role": "assistant", "content": "w3"}]
+        >>> reward_texts([[{"role": "user", "content": "w1"}]], [turns], build_tiny_tokenizer())
+        ['<user> w1 <eos> <assistant> w2 <eos> <assistant> w3 <eos> ']
     """
     if len(prompts) != len(completions):
         raise ValueError(f"reward_texts: {len(prompts)} prompts for {len(completions)} completions.")
@@ -226,8 +254,10 @@ def reward_texts(prompts: Sequence, completions: Sequence[str], reward_tokenizer
             f"({type(reward_tokenizer).__name__}, name_or_path={getattr(reward_tokenizer, 'name_or_path', '')!r}). "
             "Set its `chat_template`, or give the RM plain-text prompts."
         )
-    return [reward_tokenizer.apply_chat_template(list(p) + [{"role": "assistant", "content": c}], tokenize=False)
-            for p, c in zip(prompts, completions)]
+    kwargs = dict(chat_template_kwargs or {})
+    return [reward_tokenizer.apply_chat_template(
+        list(p) + (list(c) if is_message_list(c) else [{"role": "assistant", "content": c}]), tokenize=False, **kwargs)
+        for p, c in zip(prompts, completions)]
 
 
 @dataclass(frozen=True)
@@ -343,7 +373,10 @@ class TextRewardModel:
         self.__name__ = name or path.rstrip("/").split("/")[-1] or type(model).__name__
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
-        rendered = reward_texts(prompts, texts, self.reward_tokenizer)
+        if prompts and not isinstance(prompts[0], str):  # an episode's messages as they are (its tool turns too)
+            rendered = reward_texts(prompts, list(completions), self.reward_tokenizer)
+        else:
+            texts = [c if isinstance(c, str) else "".join(m.get("content") or "" for m in c) for c in completions]
+            rendered = reward_texts(prompts, texts, self.reward_tokenizer)
         return score_texts(self.model, self.reward_tokenizer, rendered, self.batch_size,
                            max_length=self.max_length).tolist()
