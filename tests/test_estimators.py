@@ -3,6 +3,7 @@ the arithmetic in comments, naive loops against the vectorised code on random in
 ``estimator_targets`` against the same pieces assembled by hand."""
 
 import math
+from dataclasses import replace
 import statistics
 
 import pytest
@@ -375,3 +376,106 @@ def test_grpo_a_tied_group_gets_only_the_kl_penalty_not_an_amplified_one():
     # only the penalty's return-to-go: -0.01 * k1 on the first token, 0 after it
     expected = torch.tensor([[-0.03, 0.0], [-0.031, 0.0], [-0.029, 0.0], [-0.03, 0.0]])
     torch.testing.assert_close(t.advantages, expected, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ unscorable rows (issue 40, case 2)
+# A row every reward function returned None for (TRL GRPO's "unscorable" row): out of its group's
+# statistics, advantage 0. Before the fix it scored 0 and joined the baseline: scores [1, -, 0, 0]
+# gave grpo [1.5, -0.5, -0.5, -0.5] where TRL 1.16 gives [1.155, 0, -0.577, -0.577].
+
+SCORED = torch.tensor([True, False, True, True, True, True, False, False])
+
+
+def _scored_rollout(scores, applies, mask=None, values=None):
+    B = scores.shape[0]
+    mask = torch.ones(B, 2, dtype=torch.bool) if mask is None else mask
+    return Rollout(queries=torch.ones(B, 1, dtype=torch.long), query_mask=torch.ones(B, 1, dtype=torch.bool),
+                   responses=torch.ones(B, 2, dtype=torch.long), response_mask=mask, logprobs=torch.zeros(B, 2),
+                   ref_logprobs=torch.zeros(B, 2), values=torch.zeros(B, 2) if values is None else values,
+                   scores=scores, has_stop=torch.ones(B, dtype=torch.bool), reward_applies=applies[:, None],
+                   reward_values=torch.where(applies, scores, math.nan)[:, None])
+
+
+def test_grpo_leaves_an_unscored_row_out_of_its_group_by_hand():
+    # group 1 (1, -, 0, 0): scored mean 1/3; deviations 2/3, -1/3, -1/3; unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3
+    #   -> (2/3) / (sqrt(1/3) + 1e-4), (-1/3) / (sqrt(1/3) + 1e-4); the unscored row 0
+    # group 2 (2, 4, -, -): mean 3, var (1 + 1) / 1 = 2 -> -1 / (sqrt 2 + 1e-4), +1 / (sqrt 2 + 1e-4)
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 0.0, 0.0], dtype=torch.float64)
+    s3, s2 = math.sqrt(1 / 3) + EPS, math.sqrt(2) + EPS
+    expected = [2 / 3 / s3, 0.0, -1 / 3 / s3, -1 / 3 / s3, -1 / s2, 1 / s2, 0.0, 0.0]
+    torch.testing.assert_close(E.grpo_advantages(scores, 4, "group", SCORED), torch.tensor(expected, dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    # "none": centred on the scored mean only; "batch": over the std of the 5 scored values (1, 0, 0, 2, 4)
+    none = E.grpo_advantages(scores, 4, "none", SCORED)
+    torch.testing.assert_close(none, torch.tensor([2 / 3, 0, -1 / 3, -1 / 3, -1, 1, 0, 0], dtype=torch.float64))
+    batch = E.grpo_advantages(scores, 4, "batch", SCORED)
+    torch.testing.assert_close(batch, none / (statistics.stdev([1, 0, 0, 2, 4]) + EPS), rtol=0, atol=1e-12)
+
+
+def test_grpo_over_scored_rows_matches_trl_nan_statistics():
+    """TRL 1.16 GRPOTrainer: an unscorable row is NaN, nanmean / nanstd per group, then nan_to_num(0)."""
+    from trl.trainer.utils import nanstd
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(12, generator=g)
+    scored = torch.tensor([1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
+    rewards = torch.where(scored, scores, math.nan)
+    mean = torch.nanmean(rewards.view(-1, 4), dim=1).repeat_interleave(4)
+    std = nanstd(rewards.view(-1, 4), dim=1).repeat_interleave(4)
+    trl = torch.nan_to_num((rewards - mean) / (std + 1e-4), nan=0.0)
+    torch.testing.assert_close(E.grpo_advantages(scores, 4, "group", scored), trl, rtol=0, atol=1e-6)
+
+
+def test_rloo_baseline_is_the_other_scored_rows_by_hand():
+    # group 1 (1, -, 0, 0): baselines (0+0)/2 = 0, -, (1+0)/2, (1+0)/2 -> 1, 0, -0.5, -0.5
+    # group 2 (2, 4, -, -): 2 - 4 = -2, 4 - 2 = 2
+    scores = torch.tensor([1.0, 7.0, 0.0, 0.0, 2.0, 4.0, 9.0, 9.0])
+    assert E.rloo_advantages(scores, 4, SCORED).tolist() == [1.0, 0.0, -0.5, -0.5, -2.0, 2.0, 0.0, 0.0]
+    # a group with one scored row has no baseline to compare with: 0
+    assert E.rloo_advantages(torch.tensor([3.0, 5.0]), 2, torch.tensor([True, False])).tolist() == [0.0, 0.0]
+
+
+def test_reinforce_pp_baseline_centres_on_the_scored_rows_and_trains_none_of_the_others():
+    # one token per row; group (1, -, 0, 0): centred 2/3, -, -1/3, -1/3 -> whitened over the three scored tokens:
+    # mean 0, unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3 -> 2/3 / sqrt(1/3 + 1e-8), ...
+    scores = torch.tensor([1.0, 5.0, 0.0, 0.0])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    adv, ret = E.reinforce_pp_baseline_advantages(scores, torch.zeros(4, 1), mask, 4, scored=SCORED[:4])
+    s = math.sqrt(1 / 3 + 1e-8)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([2 / 3 / s, 0.0, -1 / 3 / s, -1 / 3 / s]))
+    torch.testing.assert_close(ret[:, 0], torch.tensor([2 / 3, 0.0, -1 / 3, -1 / 3]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"])
+def test_no_estimator_trains_on_an_unscored_row(estimator):
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 0.0, 0.0])
+    values = torch.full((8, 2), 0.25)
+    rollout = _scored_rollout(scores, SCORED, values=values)
+    targets = E.estimator_targets(rollout, advantage_estimator=estimator, num_generations=4, kl_coef=0.0,
+                                  kl_estimator="k1", missing_eos_penalty=None, whiten_rewards=False,
+                                  whiten_advantages=estimator == "gae", gamma=1.0, lam=1.0)
+    unscored = ~SCORED
+    assert (targets.advantages[unscored] == 0).all()
+    assert (targets.advantages[SCORED] != 0).any()
+    if estimator == "gae":  # no value target made up: the row's own old values
+        assert torch.equal(targets.returns[unscored], values[unscored])
+    # the scored rows' advantages are those of the batch without the unscored rows (their statistics, alone)
+    kept = SCORED.nonzero()[:, 0]
+    alone = _scored_rollout(scores[kept], torch.ones(len(kept), dtype=torch.bool), values=values[kept])
+    if estimator in E.GROUP_ESTIMATORS:
+        return  # groups of unequal size: compared by hand above
+    expected = E.estimator_targets(alone, advantage_estimator=estimator, num_generations=1, kl_coef=0.0,
+                                   kl_estimator="k1", missing_eos_penalty=None, whiten_rewards=False,
+                                   whiten_advantages=estimator == "gae", gamma=1.0, lam=1.0)
+    torch.testing.assert_close(targets.advantages[kept], expected.advantages, rtol=0, atol=1e-6)
+
+
+def test_a_fully_scored_batch_is_bit_identical_to_one_without_reward_applies():
+    scores = torch.tensor([1.0, 0.3, 0.0, 0.7])
+    for estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+        kwargs = dict(advantage_estimator=estimator, num_generations=2, kl_coef=0.1, kl_estimator="k1",
+                      missing_eos_penalty=None, whiten_rewards=False, whiten_advantages=False, gamma=1.0, lam=1.0)
+        with_applies = E.estimator_targets(_scored_rollout(scores, torch.ones(4, dtype=torch.bool)), **kwargs)
+        without = E.estimator_targets(replace(_scored_rollout(scores, torch.ones(4, dtype=torch.bool)),
+                                              reward_applies=None), **kwargs)
+        assert torch.equal(with_applies.advantages, without.advantages)

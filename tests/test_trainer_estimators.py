@@ -98,3 +98,74 @@ def test_group_estimators_compose_with_episodes_over_the_action_tokens(make_trai
     for rollout, targets in seen:
         env = rollout.response_mask & ~rollout.action_mask
         assert env.any() and (targets.advantages[env] == 0).all()
+
+
+# ---------------------------------------------------------------- unscorable rows (issue 40, case 2)
+def _scripted_group(tok):
+    """A rollout_func whose four completions of a prompt are w1..w4 then <eos>, and a reward that
+    returns None for w2: one unscorable row per group, the same episodes for either trainer."""
+
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [tok(p).input_ids for p in prompts],
+                "completion_ids": [[7 + i % 4, 3] for i in range(len(prompts))], "logprobs": None}
+
+    def reward(completion_ids, **kwargs):
+        return [{7: 1.0, 8: None, 9: 0.0, 10: 0.0}[c[0]] for c in completion_ids]
+
+    return rollout_func, reward
+
+
+def test_an_unscorable_row_gets_trl_grpo_trainers_advantages(tmp_path):
+    """TRL 1.16's GRPOTrainer itself on the same episodes: [1.155, 0, -0.577, -0.577] (ours were
+    [1.5, -0.5, -0.5, -0.5] before issue 40: the unscored row scored 0 and joined the baseline)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_ppo_ext import PPOConfig, PPOTrainer
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    policy = build_tiny_causal_lm(tok)
+    rollout_func, reward = _scripted_group(tok)
+    data = Dataset.from_list([{"prompt": "w1 w2"}, {"prompt": "w3 w4"}])
+    common = dict(per_device_train_batch_size=4, num_generations=4, report_to="none", bf16=False, save_strategy="no")
+    grpo = GRPOTrainer(model=policy, reward_funcs=[reward], processing_class=tok, train_dataset=data,
+                       rollout_func=rollout_func, args=GRPOConfig(output_dir=str(tmp_path / "g"), beta=0.0,
+                                                                  max_completion_length=4, use_cpu=True, **common))
+    theirs = grpo._generate_and_score_completions([{"prompt": "w1 w2"} for _ in range(4)])["advantages"]
+    torch.testing.assert_close(theirs, torch.tensor([1.1545, 0.0, -0.5773, -0.5773]), rtol=0, atol=1e-4)
+
+    trainer = PPOTrainer(model=policy, reward_funcs=[reward], processing_class=tok, train_dataset=data,
+                         rollout_func=rollout_func, args=PPOConfig(
+                             output_dir=str(tmp_path / "p"), advantage_estimator="grpo", kl_coef=0.0, response_length=4,
+                             total_episodes=4, num_mini_batches=1, local_rollout_forward_batch_size=4, **common))
+    rollout = trainer.score_rollout(trainer.generate_rollout(trainer.repeated_prompts(next(iter(trainer.dataloader)))))
+    ours = trainer.compute_advantages(rollout).advantages
+    torch.testing.assert_close(ours[:, 0], theirs.to(ours), rtol=0, atol=1e-6)
+    assert torch.equal(ours[:, 0], ours[:, 1]) and (ours[:, 2:] == 0).all()  # on both action tokens, 0 after
+    trainer.train()  # one update of one group: the unscored row is counted
+    assert [h["rewards/unscored"] for h in trainer.state.log_history if "rewards/unscored" in h] == [1.0]
+
+
+def test_an_unscored_row_gives_the_critic_no_gradient(make_trainer):
+    """GAE: the row's returns are its old values, and its value has no gradient (no made-up target)."""
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    rollout_func, reward = _scripted_group(build_tiny_tokenizer())
+    trainer = make_trainer(num_generations=4, reward_model=None, reward_funcs=[reward], rollout_func=rollout_func,
+                           value_model=None)
+    batch = trainer.repeated_prompts(next(iter(trainer.dataloader)))
+    rollout = trainer.score_rollout(trainer.generate_rollout(batch))
+    targets = trainer.compute_advantages(rollout)
+    unscored = ~rollout.reward_applies.any(1)
+    assert unscored.tolist() == [False, True, False, False] * (rollout.batch_size // 4)
+    assert (targets.advantages[unscored] == 0).all()
+    assert torch.equal(targets.returns[unscored], rollout.values[unscored])
+    grads = {}
+    for rows in (unscored.nonzero()[:, 0], (~unscored).nonzero()[:, 0]):
+        trainer.model.zero_grad()
+        loss, _ = trainer.compute_loss_terms(rollout.select(rows), targets.select(rows))
+        loss.backward()
+        head = [p.grad for n, p in trainer.unwrapped.named_parameters() if "value" in n and p.grad is not None]
+        grads[len(grads)] = sum(float(g.abs().sum()) for g in head)
+    assert grads[0] == 0.0 and grads[1] > 0.0

@@ -70,6 +70,31 @@ class PPOTargets:
         )
 
 
+def scored_rows(reward_applies: torch.Tensor | None) -> torch.Tensor | None:
+    """Which rows have a score: at least one reward applies to them (TRL GRPO's rule: a row every
+    reward function returned None for is *unscorable*).
+
+    Args:
+        reward_applies: ``(B, F)`` bool, False where reward ``f`` does not apply to row ``b``
+            (``Rollout.reward_applies``), or None (a ``score_rollout`` that keeps none).
+    Returns:
+        ``(B,)`` bool, True = the row has a score and counts; None when every row has one (or
+        nothing says otherwise), so that a fully scored batch takes the unmasked arithmetic.
+        Reads one bool on the host.
+
+    Naive form: ``[any(applies[b]) for b in range(B)]``.
+
+    >>> scored_rows(torch.tensor([[True, False], [False, False]]))
+    tensor([ True, False])
+    >>> scored_rows(torch.tensor([[True], [True]])) is None
+    True
+    """
+    if reward_applies is None or reward_applies.shape[-1] == 0:
+        return None
+    scored = reward_applies.any(dim=1)
+    return None if bool(scored.all()) else scored
+
+
 # The config fields compute_targets reads (PPOConfig's names); the KL coefficient comes from the KL controller.
 TARGET_FIELDS = (
     "kl_estimator", "missing_eos_penalty", "whiten_rewards", "whiten_advantages", "gamma", "lam",
@@ -114,9 +139,15 @@ def compute_targets(
             ``functional.length_adaptive_lam(loss_mask, lam_length_alpha)``, one per
             sequence, instead of ``lam``; ``value_lam=None`` then follows it too.
 
+    A row no reward applies to (:func:`scored_rows`: every reward function returned None; TRL
+    GRPO's "unscorable" row) gets no policy gradient and no made-up value target: its advantages
+    are 0, its returns its own old values, and it is left out of every whitening statistic.
+
     The rollout is not modified.
     """
     mask = rollout.loss_mask  # the policy's own tokens: response_mask unless the episode has turns
+    scored = scored_rows(rollout.reward_applies)
+    counted = mask if scored is None else mask & scored[:, None]  # the tokens whose rows carry a score
     scores = rollout.scores
     if missing_eos_penalty is not None:
         scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
@@ -129,7 +160,7 @@ def compute_targets(
             F.check_rewards_on_actions(rollout.token_rewards, rollout.response_mask, rollout.action_mask)
         rewards = rewards + rollout.token_rewards.masked_fill(~mask, 0.0)
     if whiten_rewards:
-        rewards = F.masked_global_whiten(rewards, mask, keep_mean=True)
+        rewards = F.masked_global_whiten(rewards, counted, keep_mean=True)
     if lam_length_alpha is not None:
         lam = F.length_adaptive_lam(mask, lam_length_alpha, rewards.dtype)  # (B,), over the action tokens
     if rollout.action_mask is None:
@@ -137,9 +168,12 @@ def compute_targets(
     else:  # environment tokens are not steps: GAE over each row's action tokens
         advantages, returns = F.action_masked_gae_decoupled(
             rewards, rollout.values, rollout.response_mask, mask, gamma, lam, value_lam)
-    raw_mean, raw_var = F.masked_global_mean_var(advantages, mask)
+    if scored is not None:  # an unscored row: no policy gradient, and its own old value as the target
+        advantages = advantages.masked_fill(~counted, 0.0)
+        returns = torch.where(counted, returns, rollout.values.to(returns.dtype).masked_fill(~mask, 0.0))
+    raw_mean, raw_var = F.masked_global_mean_var(advantages, counted)
     if whiten_advantages:
-        advantages = F.masked_global_whiten(advantages, mask)
+        advantages = F.masked_global_whiten(advantages, counted)
     return PPOTargets(
         scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
         returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from . import functional as F
-from .advantages import PPOTargets, compute_targets, target_settings
+from .advantages import PPOTargets, compute_targets, scored_rows, target_settings
 from .rollout import Rollout
 
 __all__ = [
@@ -125,7 +125,8 @@ def _float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def grpo_advantages(scores: torch.Tensor, num_generations: int, scale_rewards="group") -> torch.Tensor:
+def grpo_advantages(scores: torch.Tensor, num_generations: int, scale_rewards="group",
+                    scored: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO's per-sequence advantage, with TRL 1.16 GRPOTrainer's arithmetic.
 
     ``A_i = (s_i - mean_g) / (std + 1e-4)``: ``mean_g`` the mean of the scores of ``i``'s group;
@@ -144,6 +145,10 @@ def grpo_advantages(scores: torch.Tensor, num_generations: int, scale_rewards="g
         scores: ``(B,)`` one scalar per sequence (see :func:`sequence_returns`).
         num_generations: ``G >= 2``, the samples per prompt; ``B`` a multiple of it.
         scale_rewards: ``"group"``, ``"batch"``, ``"none"``, or TRL's True / False.
+        scored: ``(B,)`` bool, True = the row has a score (``advantages.scored_rows``); None:
+            every row. An unscored row is left out of its group's mean and std (and the batch
+            std) and gets advantage 0, as TRL 1.16 GRPO's nan-aware statistics treat an
+            unscorable row; a group with fewer than two scored rows gets 0 throughout.
 
     Returns:
         ``(B,)`` in the scores' float dtype (at least float32). A group of equal scores gets 0.
@@ -152,6 +157,8 @@ def grpo_advantages(scores: torch.Tensor, num_generations: int, scale_rewards="g
     _check_num_generations(num_generations, 2, "advantage_estimator='grpo'")
     scale = resolve_scale_rewards(scale_rewards)
     x = grouped(_float(scores), num_generations)
+    if scored is not None:
+        return _grpo_over_scored(x, grouped(scored, num_generations), scale)
     advantages = x - x.mean(dim=1, keepdim=True)
     if scale == "group":
         advantages = advantages / (x.std(dim=1, keepdim=True) + GROUP_STD_EPS)
@@ -162,7 +169,30 @@ def grpo_advantages(scores: torch.Tensor, num_generations: int, scale_rewards="g
     return advantages.reshape(-1)
 
 
-def rloo_advantages(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
+def _group_mean(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, G)`` values and bool mask -> each group's mean over its True entries ``(P, 1)``
+    (0 for a group with none) and their count ``(P, 1)``."""
+    n = m.sum(dim=1, keepdim=True)
+    return torch.where(m, x, 0.0).sum(dim=1, keepdim=True) / n.clamp(min=1), n
+
+
+def _grpo_over_scored(x: torch.Tensor, m: torch.Tensor, scale: str) -> torch.Tensor:
+    """:func:`grpo_advantages` on ``(P, G)`` scores whose False entries of ``m`` are unscored:
+    TRL's ``nanmean`` / ``nanstd`` (unbiased) over the scored ones, 0 for the unscored. Naive
+    form: for each group, ``s = [x[i] for i scored]``; ``A[i] = (x[i] - mean(s)) / (stdev(s) + 1e-4)``
+    for scored ``i`` (0 when ``len(s) < 2``), ``A[i] = 0`` otherwise."""
+    mean, n = _group_mean(x, m)
+    centred = torch.where(m, x - mean, 0.0)
+    if scale == "group":
+        std = (centred.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centred = torch.where(n > 1, centred / (std + GROUP_STD_EPS), 0.0)
+    elif scale == "batch":
+        _, var = F.masked_global_mean_var(x.reshape(-1), m.reshape(-1), unbiased=True)
+        centred = centred / (var.sqrt() + GROUP_STD_EPS)
+    return centred.reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, num_generations: int, scored: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO's per-sequence advantage (Ahmadian et al. 2024; TRL 1.16 RLOOTrainer): the score
     minus the mean of the other ``G - 1`` scores of its group, ``A_i = s_i - (sum_g - s_i) / (G - 1)``
     (equal to ``G / (G - 1) * (s_i - mean_g)``). TRL's optional ``normalize_advantages`` (off by
@@ -177,12 +207,20 @@ def rloo_advantages(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
         scores: ``(B,)`` one scalar per sequence (see :func:`sequence_returns`).
         num_generations: ``G >= 2`` (with one sample there is no other to compare with:
             ``ValueError``, as TRL's RLOOConfig refuses it).
+        scored: ``(B,)`` bool, True = the row has a score; None: every row. An unscored row is
+            nobody's baseline and gets 0; the baseline of a scored row is the mean of the other
+            scored rows of its group (0 advantage when it has no other).
 
     Returns:
         ``(B,)`` in the scores' float dtype (at least float32); a group's advantages sum to 0.
     """
     _check_num_generations(num_generations, 2, "advantage_estimator='rloo'")
     x = grouped(_float(scores), num_generations)
+    if scored is not None:
+        m = grouped(scored, num_generations)
+        mean, n = _group_mean(x, m)
+        baseline = (mean * n - x) / (n - 1).clamp(min=1)
+        return torch.where(m & (n > 1), x - baseline, 0.0).reshape(-1)
     baseline = (x.sum(dim=1, keepdim=True) - x) / (num_generations - 1)
     return (x - baseline).reshape(-1)
 
@@ -227,6 +265,7 @@ def reinforce_pp_baseline_advantages(
     action_mask: torch.Tensor,
     num_generations: int,
     gamma: float = 1.0,
+    scored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (OpenRLHF's ``reinforce_baseline``): each score minus the mean score
     of its group, then :func:`reinforce_pp_advantages` on the shaped rewards built with it.
@@ -243,13 +282,21 @@ def reinforce_pp_baseline_advantages(
         action_mask: bool ``(B, T)``.
         num_generations: ``G >= 2``; ``B`` a multiple of it.
         gamma: discount in [0, 1].
+        scored: ``(B,)`` bool, True = the row has a score; None: every row. An unscored row is
+            out of its group's mean, and its tokens are no steps (0 advantage and return, out
+            of the whitening statistics).
 
     Returns:
         ``(advantages, returns)`` as :func:`reinforce_pp_advantages`.
     """
     _check_num_generations(num_generations, 2, "advantage_estimator='reinforce_pp_baseline'")
     x = grouped(_float(scores), num_generations)
-    centred = (x - x.mean(dim=1, keepdim=True)).reshape(-1)
+    if scored is not None:
+        mean, _ = _group_mean(x, grouped(scored, num_generations))
+        action_mask = action_mask & scored[:, None]
+    else:
+        mean = x.mean(dim=1, keepdim=True)
+    centred = (x - mean).reshape(-1)
     token_rewards = _with_score_on_last_action(non_score_rewards, centred, action_mask)
     return reinforce_pp_advantages(token_rewards, action_mask, gamma)
 
@@ -405,6 +452,10 @@ def estimator_targets(
        :func:`reinforce_pp_baseline_advantages` (the group mean off the scores first);
     4. ``returns``: the REINFORCE++ discounted returns; zeros for the group estimators.
 
+    A row no reward applies to (``advantages.scored_rows`` of ``rollout.reward_applies``: TRL
+    GRPO's unscorable row) is out of every group and batch statistic and gets advantage 0 on
+    every token (its KL term included): it moves nothing.
+
     ``whiten_rewards``, ``whiten_advantages``, ``lam``, ``value_lam`` and ``lam_length_alpha``
     are GAE's: the group estimators normalise by their own rule (``scale_rewards``; RLOO none,
     TRL's default) and REINFORCE++ always whitens. ``gamma`` is read by REINFORCE++ and by
@@ -428,6 +479,8 @@ def estimator_targets(
     mask = rollout.response_mask
     actions = action_mask if action_mask is not None else getattr(rollout, "action_mask", None)
     actions = mask if actions is None else actions
+    scored = scored_rows(getattr(rollout, "reward_applies", None))
+    counted = actions if scored is None else actions & scored[:, None]  # an unscored row trains nothing
     scores = rollout.scores
     if missing_eos_penalty is not None:
         scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
@@ -442,21 +495,23 @@ def estimator_targets(
         rewards, per_token = rewards + added, non_score + added
     zeros = torch.zeros_like(rewards)
     if advantage_estimator == "grpo":  # the KL out of the group statistics, added per token after
-        sequence = grpo_advantages(sequence_returns(rewards - non_score, actions), num_generations, scale_rewards)
-        advantages = broadcast_sequence_advantages(sequence, actions) + returns_to_go(non_score, actions, gamma)
+        sequence = grpo_advantages(sequence_returns(rewards - non_score, actions), num_generations, scale_rewards,
+                                   scored)
+        advantages = broadcast_sequence_advantages(sequence, counted) + returns_to_go(non_score, counted, gamma)
         advantages, returns = advantages.to(rewards.dtype), zeros
         raw = advantages
     elif advantage_estimator == "rloo":
-        sequence = rloo_advantages(sequence_returns(rewards, actions), num_generations)
-        advantages, returns = broadcast_sequence_advantages(sequence, actions).to(rewards.dtype), zeros
+        sequence = rloo_advantages(sequence_returns(rewards, actions), num_generations, scored)
+        advantages, returns = broadcast_sequence_advantages(sequence, counted).to(rewards.dtype), zeros
         raw = advantages
     elif advantage_estimator == "reinforce_pp":
-        advantages, returns = reinforce_pp_advantages(rewards, actions, gamma)
+        advantages, returns = reinforce_pp_advantages(rewards, counted, gamma)
         raw = returns
     else:
-        advantages, returns = reinforce_pp_baseline_advantages(scores, per_token, actions, num_generations, gamma)
+        advantages, returns = reinforce_pp_baseline_advantages(scores, per_token, actions, num_generations, gamma,
+                                                               scored)
         raw = returns
-    raw_mean, raw_var = F.masked_global_mean_var(raw, actions)
+    raw_mean, raw_var = F.masked_global_mean_var(raw, counted)
     return PPOTargets(
         scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
         returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),

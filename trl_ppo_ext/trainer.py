@@ -1085,6 +1085,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """
         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
         resp_logits, new_values = self.response_forward(self.model, mb, inputs)  # through DDP: grads sync
+        if mb.reward_applies is not None and mb.reward_applies.shape[1] and self.args.trains_critic:
+            # a row no reward applies to has no value target (its returns are its old values): no value gradient
+            new_values = torch.where(mb.reward_applies.any(dim=1)[:, None], new_values, new_values.detach())
         new_logprobs = F.logprobs_from_logits(resp_logits, mb.valid_responses)
         weights = None if mb.engine_logprobs is None else self.sampling_weights(mb)  # sampled by vLLM
         settings = loss_settings(self.args)
@@ -1116,6 +1119,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             metrics.update({k: float(v) for k, v in group_reward_metrics(rollout.scores, self.args.num_generations)
                             .items()})
         metrics.update(self._reward_metrics(rollout))
+        if rollout.reward_applies is not None and rollout.reward_applies.shape[1]:  # TRL's unscorable rows
+            unscored = (~rollout.reward_applies.any(dim=1)).sum().reshape(1).float().to(self.accelerator.device)
+            metrics["rewards/unscored"] = float(self.accelerator.gather(unscored).sum())
         metrics.update(sampling_metrics(
             rollout, gather=self.accelerator.gather, device=self.accelerator.device,
             correction=self.args.vllm_importance_sampling_correction, mode=self.args.vllm_importance_sampling_mode,

@@ -13,8 +13,10 @@ conversational; ``completion_ids`` the valid response ids (through the EOS). ``a
 functions run concurrently with each other.
 
 The scores of one completion combine as a weighted sum over the rewards that apply to it
-(``PPOConfig.reward_weights``, default 1 each). A completion to which no reward applies gets 0
-and a warning; NaN or inf pass through to the non-finite guard, as an RM's would.
+(``PPOConfig.reward_weights``, default 1 each). A completion to which no reward applies is
+unscorable (TRL GRPO's rule): its score reads 0, and every estimator leaves it out of its
+statistics and gives it advantage 0 (``advantages.scored_rows``), with a warning; NaN or inf pass
+through to the non-finite guard, as an RM's would.
 
 Beyond one number per completion: per-token rewards (a function may return, per
 completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
@@ -311,7 +313,8 @@ def evaluate_rewards(
     Returns:
         ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool)``: the weighted sum
         (:func:`combine_scores`), each reward's value (NaN where it does not apply) and where it
-        applies. A completion no reward applies to scores 0, with a warning.
+        applies. A completion no reward applies to scores 0, with a warning (the estimators
+        leave it out: ``advantages.scored_rows``).
     """
     return _evaluate(rewards, model_scores, function_kwargs, batch_size, update, device)[:3]
 
@@ -477,8 +480,9 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
     none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
     if none_apply:
         logger.warning(
-            "%d of %d completions got no reward: every reward function returned None for them (score 0). "
-            "Make at least one reward apply to every completion, e.g. a reward model or a default value.",
+            "%d of %d completions got no reward: every reward function returned None for them. They are unscorable "
+            "(TRL GRPO's rule): out of their group's baseline, with advantage 0 and no value target (counted in "
+            "the metric rewards/unscored). Make a reward apply to every completion you want trained on.",
             none_apply, batch_size,
         )
     weights = torch.tensor([r.weight for r in rewards], device=device)
