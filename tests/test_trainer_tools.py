@@ -2,6 +2,7 @@
 ``environments=``) with the trainer's class changed: PPOTrainer runs TRL's tool loop itself."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,39 @@ def test_the_tool_loop_without_vllm_runs_no_log_prob_forward_of_its_own(tmp_path
     assert calls == [] and sample.engine_logprobs is None
     ids, lps = trainer.generate_continuations([[5, 6]], 2)
     assert calls == [1] and len(lps[0]) == len(ids[0]) and all(lp == lp for lp in lps[0])  # finite, not NaN
+
+
+class StuckDoor:
+    """Its tool opens the door, then hangs past tool_timeout: the model is told the call timed out."""
+
+    def reset(self, **row):
+        self.opened = False
+
+    def open_door(self) -> str:
+        """Open the door."""
+        self.opened = True
+        time.sleep(0.3)
+        return "opened"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+def test_a_timed_out_tool_cannot_decide_the_environment_reward(tmp_path, policy_and_tok):
+    # issue 40 case 3: before, get_reward scored the state the timed-out call left (1.0 for every row); now the
+    # rollout is unscorable for the environment reward, counted in tools/timed_out_frac
+    policy, tok = policy_and_tok
+
+    class DoorTurns(ScriptedTurns):
+        first_turn = CALL.format(name="open_door", args="{}")
+
+    trainer = DoorTurns(model=policy, processing_class=tok, args=_config(tmp_path, tool_timeout=0.05),
+                        train_dataset=_data(), environment_factory=StuckDoor)
+    sample = trainer.generate_rollout(next(iter(trainer.dataloader)))
+    assert sample.extras["tool_timed_out"] == [True, True]
+    assert all(env.opened for env in sample.extras["environments"])  # the call did change the state
+    scores, values, applies = trainer.score_rewards(sample)
+    assert not applies.any() and scores.tolist() == [0.0, 0.0] and values.isnan().all()
+    assert trainer._tool_metrics()["tools/timed_out_frac"] == 1.0
+    rollout = trainer.score_rollout(sample)
+    assert (trainer.compute_advantages(rollout).advantages == 0).all()  # no reward applies: nothing to train on

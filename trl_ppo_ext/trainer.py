@@ -1136,15 +1136,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return metrics
 
     def _tool_metrics(self) -> dict[str, float]:
-        """TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and ``tools/loop_exhausted_frac``
-        and ``rollout/turns_max``, of this update's tool loops summed over every process (one gather)."""
+        """TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and ``tools/loop_exhausted_frac``,
+        ``tools/timed_out_frac`` and ``rollout/turns_max``, of this update's tool loops summed over every
+        process (one gather)."""
         stats = self._tool_stats
         local = torch.tensor([[stats.rollouts, stats.calls, stats.failures, stats.turns, stats.exhausted,
-                               stats.turns_max]], dtype=torch.float64, device=self.accelerator.device)
-        rows = self.accelerator.gather(local).reshape(-1, 6)
+                               stats.timed_out, stats.turns_max]], dtype=torch.float64, device=self.accelerator.device)
+        rows = self.accelerator.gather(local).reshape(-1, 7)
         sums = rows.sum(0).tolist()
         total = ToolLoopStats(rollouts=int(sums[0]), calls=int(sums[1]), failures=int(sums[2]), turns=int(sums[3]),
-                              exhausted=int(sums[4]), turns_max=int(rows[:, 5].max()))
+                              exhausted=int(sums[4]), timed_out=int(sums[5]), turns_max=int(rows[:, 6].max()))
         metrics = total.metrics()
         metrics.pop("rollout/turns_mean")  # the action mask's figure is logged already (metrics.update_statistics)
         return metrics

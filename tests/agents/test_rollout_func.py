@@ -4,6 +4,8 @@ a dict of environments, env-owned data without a prompt column)."""
 
 import json
 import threading
+import time
+import warnings
 
 import pytest
 
@@ -171,3 +173,42 @@ def test_construction_probes_reset_on_a_sample_row(chat_tok):
     with pytest.raises(ValueError, match=r"Picky.reset\(\*\*row\) raised on the first dataset row"):
         AgentRollout(chat_tok, environment_factory=Picky, response_length=100,
                      sample_row={"prompt": [{"role": "user", "content": "x"}], "level": 1})
+
+
+class LateDoor:
+    """A tool that outlives tool_timeout and then changes the environment (issue 40, case 3)."""
+
+    def reset(self, **kwargs):
+        self.opened = False
+
+    def open_slowly(self) -> str:
+        """Open the door, slowly."""
+        time.sleep(0.3)
+        self.opened = True
+        return "opened"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+def test_an_environment_whose_tool_timed_out_is_not_judged_by_get_reward(chat_tok, scripted):
+    # before issue 40 the abandoned thread opened the door after the model was told the call timed out, and
+    # get_reward scored that: [1.0, 0.0]; now the timed-out rollout is unscorable for it: [None, 0.0]
+    rollout = AgentRollout(chat_tok, environment_factory=LateDoor, response_length=400, tool_timeout=0.05,
+                           chat_template_kwargs=NO_THINK)
+    rows = [{"prompt": [{"role": "user", "content": "Q0"}]}, {"prompt": [{"role": "user", "content": "Q1"}]}]
+    turns = {"Q0": [call("open_slowly"), "ok<|im_end|>"], "Q1": ["ok<|im_end|>"]}
+    with pytest.warns(UserWarning, match="past tool_timeout=0.05 s.*get_reward is not called"):
+        out = rollout(rows, scripted(chat_tok, turns))
+    assert "timed out after 0.05 s" in out["completions"][0][1]["content"]
+    time.sleep(0.5)
+    assert out["environments"][0].opened  # the abandoned thread did change the state
+    assert out["tool_timed_out"] == [True, False]
+    (reward,) = rollout.reward_functions()
+    assert reward(environments=out["environments"], tool_timed_out=out["tool_timed_out"]) == [None, 0.0]
+    assert rollout.last_stats.metrics()["tools/timed_out_frac"] == 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning is shown once
+        again = rollout(rows, scripted(chat_tok, turns))
+    assert again["tool_timed_out"] == [True, False]
+    rollout.close()

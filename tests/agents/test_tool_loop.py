@@ -155,7 +155,7 @@ def test_rows_still_calling_tools_continue_together(chat_tok, scripted):
     assert result.stats == ToolLoopStats(rollouts=3, calls=3, failures=0, turns=6, turns_max=3, exhausted=0)
     assert result.stats.metrics() == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0,
                                       "rollout/turns_mean": 2.0, "rollout/turns_max": 3.0,
-                                      "tools/loop_exhausted_frac": 0.0}
+                                      "tools/loop_exhausted_frac": 0.0, "tools/timed_out_frac": 0.0}
 
 
 def test_no_cap_lets_an_episode_call_tools_until_it_answers(chat_tok, scripted):
@@ -295,7 +295,7 @@ def test_a_tool_that_hangs_times_out_and_the_row_is_flagged(chat_tok, scripted):
     result = loop(chat_tok, generate, ["Q0", "Q1"], tools=(multiply,), executor=ToolExecutor(tool_timeout=0.2))
     release.set()
     assert result.outputs["completions"][1][1]["content"] == "{'error': 'Tool multiply timed out after 0.2 s.'}"
-    assert result.timed_out == [False, True] and result.stats.failures == 1
+    assert result.timed_out == [False, True] and result.stats.failures == 1 and result.stats.timed_out == 1
     assert result.outputs["completions"][1][-1]["content"] == "The answer is 12."     # the episode goes on
 
 
@@ -333,12 +333,12 @@ def test_a_template_that_is_not_prefix_preserving_cannot_give_a_suffix(chat_tok)
 
 
 def test_stats_add_over_processes_then_give_the_metrics():
-    a = ToolLoopStats(rollouts=2, calls=3, failures=1, turns=5, turns_max=3, exhausted=1)
+    a = ToolLoopStats(rollouts=2, calls=3, failures=1, turns=5, turns_max=3, exhausted=1, timed_out=1)
     b = ToolLoopStats(rollouts=2, calls=1, failures=0, turns=2, turns_max=1, exhausted=0)
-    assert a + b == ToolLoopStats(rollouts=4, calls=4, failures=1, turns=7, turns_max=3, exhausted=1)
+    assert a + b == ToolLoopStats(rollouts=4, calls=4, failures=1, turns=7, turns_max=3, exhausted=1, timed_out=1)
     assert (a + b).metrics() == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.25,
                                  "rollout/turns_mean": 1.75, "rollout/turns_max": 3.0,
-                                 "tools/loop_exhausted_frac": 0.25}
+                                 "tools/loop_exhausted_frac": 0.25, "tools/timed_out_frac": 0.25}
     assert ToolLoopStats(rollouts=2).metrics()["tools/failure_frequency"] == 0.0     # no calls: 0, as TRL
 
 

@@ -20,6 +20,10 @@ is a callable returning one, or a dict ``{name: factory}`` that each dataset row
   ``rewards/<EnvClass>/mean``; it scores the rollouts of exactly that class (``type(env) is``)
   and returns None for the others. Reward functions receive the instances as
   ``environments=``, one per completion, in order.
+- A rollout with a tool call that ran out of ``tool_timeout`` is unscorable for these rewards:
+  the abandoned thread may still change its environment after the model was told the call
+  timed out, so ``get_reward`` is not called and the reward is None there (the rollout's
+  ``tool_timed_out`` column, True for it, says which).
 
 Example:
 
@@ -228,15 +232,26 @@ class Environments:
         return [_reward_function(cls) for cls in self._reward_classes]
 
 
+TIMED_OUT_COLUMN = "tool_timed_out"  # the rollout column: (B,) bool, a tool call of the row ran out of tool_timeout
+
+
+def _judged(environments, tool_timed_out) -> list[bool]:
+    # a row whose tool call timed out is not judged: the abandoned thread may still change its environment
+    return [not timed_out for timed_out in (tool_timed_out or [False] * len(environments))]
+
+
 def _reward_function(cls: type) -> Callable:
     if is_async_tool(cls.get_reward):
-        async def reward(environments, **kwargs):
-            return [await env.get_reward() if type(env) is cls else None for env in environments]
+        async def reward(environments, tool_timed_out=None, **kwargs):
+            return [await env.get_reward() if type(env) is cls and judged else None
+                    for env, judged in zip(environments, _judged(environments, tool_timed_out))]
     else:
-        def reward(environments, **kwargs):
-            return [env.get_reward() if type(env) is cls else None for env in environments]
+        def reward(environments, tool_timed_out=None, **kwargs):
+            return [env.get_reward() if type(env) is cls and judged else None
+                    for env, judged in zip(environments, _judged(environments, tool_timed_out))]
     reward.__name__ = reward.__qualname__ = cls.__name__
-    reward.__doc__ = f"{cls.__name__}.get_reward() of each rollout's environment (None for other classes)."
+    reward.__doc__ = (f"{cls.__name__}.get_reward() of each rollout's environment (None for other classes, and for "
+                      f"a rollout whose tool call timed out: `{TIMED_OUT_COLUMN}`).")
     return reward
 
 

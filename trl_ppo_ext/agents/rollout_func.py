@@ -41,9 +41,10 @@ Example (an environment whose method is the tool and whose ``get_reward`` is the
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
-from .environments import Environments, environment_methods
+from .environments import TIMED_OUT_COLUMN, Environments, environment_methods
 from .support import check_tool_support
 from .tool_loop import Generate, ToolLoopStats, run_tool_loop
 from .tools import ToolExecutor, tool_dict
@@ -88,6 +89,7 @@ class AgentRollout:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.max_model_len = max_model_len
         self.last_stats = ToolLoopStats()
+        self._warned_timeout = False  # the one-time warning that a timed-out rollout is not judged by get_reward
 
     def reward_functions(self) -> list[Callable]:
         """The environments' ``get_reward`` as reward functions (weight 1 each; see
@@ -104,8 +106,10 @@ class AgentRollout:
 
         Returns:
             The ``rollout_func`` dict: ``prompt_ids``, ``completion_ids``, ``logprobs``,
-            ``env_mask``, ``completions``, ``prompts``, and ``environments`` when an
-            ``environment_factory`` is set. `last_stats` holds the loop's counts.
+            ``env_mask``, ``completions``, ``prompts``, and ``environments`` and ``tool_timed_out``
+            (``(B,)`` bool: a tool call of the rollout ran out of ``tool_timeout``, so its
+            environment rewards are None) when an ``environment_factory`` is set. `last_stats`
+            holds the loop's counts.
 
         Raises:
             ValueError: a row whose prompt is not a message list.
@@ -139,6 +143,16 @@ class AgentRollout:
         outputs = {**result.outputs, "prompts": prompts}
         if environments is not None:
             outputs["environments"] = environments
+            # the environment rewards judge the episode the model had, not what an abandoned thread does later
+            outputs[TIMED_OUT_COLUMN] = list(result.timed_out)
+            if any(result.timed_out) and self.reward_functions() and not self._warned_timeout:
+                self._warned_timeout = True
+                warnings.warn(
+                    f"{sum(result.timed_out)} of {len(rows)} rollouts had a tool call past tool_timeout="
+                    f"{self.executor.tool_timeout} s; its thread may still change the environment, so get_reward is "
+                    "not called for them: they are unscorable for the environment rewards (None; counted in "
+                    "tools/timed_out_frac). Raise tool_timeout, or make the tools return in time. Shown once.",
+                    UserWarning, stacklevel=2)
         return outputs
 
     def close(self) -> None:

@@ -152,6 +152,7 @@ class ToolLoopStats:
     turns: int = 0  # generated turns, summed over episodes
     turns_max: int = 0  # the most turns of one episode
     exhausted: int = 0  # episodes that ended on a tool call because max_tool_calling_iterations was reached
+    timed_out: int = 0  # episodes with a tool call that ran out of tool_timeout (its thread may still run)
 
     def __add__(self, other: ToolLoopStats) -> ToolLoopStats:
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "turns_max"}
@@ -160,7 +161,8 @@ class ToolLoopStats:
     def metrics(self) -> dict[str, float]:
         """TRL's names: ``tools/call_frequency`` (calls per episode), ``tools/failure_frequency``
         (failures per call, 0 without calls); TRL async's ``rollout/turns_mean``,
-        ``rollout/turns_max`` and ``tools/loop_exhausted_frac`` (episodes cut at the cap)."""
+        ``rollout/turns_max`` and ``tools/loop_exhausted_frac`` (episodes cut at the cap); ours
+        ``tools/timed_out_frac`` (episodes with a call past ``tool_timeout``)."""
         n = max(self.rollouts, 1)
         return {
             "tools/call_frequency": self.calls / n,
@@ -168,6 +170,7 @@ class ToolLoopStats:
             "rollout/turns_mean": self.turns / n,
             "rollout/turns_max": float(self.turns_max),
             "tools/loop_exhausted_frac": self.exhausted / n,
+            "tools/timed_out_frac": self.timed_out / n,
         }
 
 
@@ -288,6 +291,7 @@ def run_tool_loop(
         rounds += 1
     stats.exhausted = len(pending)  # still calling tools when the cap stopped the loop
     stats.turns_max = max(turns, default=0)
+    stats.timed_out = sum(timed_out)
     outputs = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs,
                "env_mask": env_mask, "completions": completions}
     return ToolLoopResult(outputs, stats, timed_out)
