@@ -143,6 +143,16 @@ def test_token_ids_that_are_not_ints():
         rollout_outputs(two_rows(prompt_ids=[[-1, 2], [3]]), 2, 6)
 
 
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_key_row_and_id():
+    # issue 40 case 4: with 11 embedding rows the ids are 0..10; 11 would crash the model's embedding lookup
+    with pytest.raises(ValueError, match=r"'completion_ids'\[1\] holds token id 11 at position 1, beyond the "
+                                         r"policy's 11 embedding rows \(ids 0..10\)"):
+        rollout_outputs(two_rows(completion_ids=[[5, 6, 7, 8], [9, 11]]), 2, 6, vocab_size=11)
+    with pytest.raises(ValueError, match=r"'prompt_ids'\[0\] holds token id 12 at position 0"):
+        rollout_outputs(two_rows(prompt_ids=[[12, 2], [3]]), 2, 6, vocab_size=12)
+    assert rollout_outputs(two_rows(), 2, 6, vocab_size=11).completion_ids == two_rows()["completion_ids"]
+
+
 def test_an_empty_prompt():
     with pytest.raises(ValueError, match=r"'prompt_ids'\[1\] is empty"):
         rollout_outputs(two_rows(prompt_ids=[[1, 2], []]), 2, 6)

@@ -146,6 +146,21 @@ def test_the_rollout_funcs_checks_reach_the_user(make_trainer):
         trainer.train()
 
 
+def test_a_token_id_beyond_the_policys_embeddings_is_refused_before_any_forward(make_trainer):
+    # issue 40 case 4: before, an IndexError deep in the embedding lookup (a device assert on CUDA)
+    tok = build_tiny_tokenizer()
+
+    def out_of_vocabulary(prompts, trainer):
+        rows = trainer.unwrapped.policy.get_input_embeddings().num_embeddings
+        return {"prompt_ids": [[6]] * len(prompts), "completion_ids": [[7, rows]] * len(prompts), "logprobs": None}
+
+    trainer = make_trainer(tok, rollout_func=out_of_vocabulary)
+    rows = trainer.unwrapped.policy.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"'completion_ids'\[0\] holds token id {rows} at position 1, beyond the "
+                                         rf"policy's {rows} embedding rows"):
+        trainer.generate_rollout(next(iter(trainer.dataloader)))
+
+
 @pytest.mark.parametrize("layout", ["shared", "value_adapter"])
 def test_episodes_train_the_shared_lora_actor_critic(make_trainer, assert_metrics, layout):
     tok = build_tiny_tokenizer(pad_equals_eos=True)

@@ -84,13 +84,21 @@ def _rows(output: Mapping[str, Any], key: str, num_prompts: int) -> list:
     return list(rows)
 
 
-def _token_ids(key: str, row: int, tokens) -> list[int]:
+def _token_ids(key: str, row: int, tokens, vocab_size: int | None = None) -> list[int]:
     try:
         ids = [operator.index(t) for t in tokens]
     except TypeError as error:
         raise ValueError(f"rollout_func's {key!r}[{row}] must be a list of int token ids: {error}") from None
     if any(i < 0 for i in ids):
         raise ValueError(f"rollout_func's {key!r}[{row}] holds a negative token id: {min(ids)}")
+    if vocab_size is not None and any(i >= vocab_size for i in ids):
+        # the model would index past its embedding rows: an IndexError on the CPU, a device assert on CUDA
+        bad = next(i for i in ids if i >= vocab_size)
+        raise ValueError(
+            f"rollout_func's {key!r}[{row}] holds token id {bad} at position {ids.index(bad)}, beyond the policy's "
+            f"{vocab_size} embedding rows (ids 0..{vocab_size - 1}): tokenize with the trainer's processing_class, or "
+            "resize the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer)))"
+        )
     return ids
 
 
@@ -138,7 +146,8 @@ def _check_extra(output: Mapping[str, Any], num_prompts: int) -> dict[str, list]
     return extra
 
 
-def rollout_outputs(output: Mapping[str, Any], num_prompts: int, response_length: int) -> RolloutOutputs:
+def rollout_outputs(output: Mapping[str, Any], num_prompts: int, response_length: int,
+                    vocab_size: int | None = None) -> RolloutOutputs:
     """Check one ``rollout_func`` result against TRL 1.16's contract (module docstring).
 
     Args:
@@ -147,13 +156,15 @@ def rollout_outputs(output: Mapping[str, Any], num_prompts: int, response_length
             "no log-prob"), optionally ``env_mask``, and any other key with one value per row.
         num_prompts: B, the number of prompts the function received.
         response_length: T, the most completion tokens (environment tokens included) a row may hold.
+        vocab_size: the policy's embedding rows; an id at or beyond it is refused (None: not checked).
 
     Returns:
         `RolloutOutputs` with B rows; ``env_mask`` all ones when the key is absent, token
         log-probs of None as NaN. The input is not modified.
 
     Raises:
-        ValueError: naming the key (and row) for a missing required key, a row count that is
+        ValueError: naming the key (and row) for a missing required key, a negative token id or one
+            at or beyond ``vocab_size`` (naming the id), a row count that is
             not ``num_prompts``, lengths that disagree within a row, an ``env_mask`` value
             that is not 0/1, a completion longer than ``response_length``, a completion with
             no policy token, an extra key without one value per row.
@@ -168,9 +179,10 @@ def rollout_outputs(output: Mapping[str, Any], num_prompts: int, response_length
         )
     if num_prompts < 1 or response_length < 1:
         raise ValueError(f"num_prompts and response_length must be >= 1, got {num_prompts} and {response_length}")
-    prompts = [_token_ids("prompt_ids", b, row) for b, row in enumerate(_rows(output, "prompt_ids", num_prompts))]
+    prompts = [_token_ids("prompt_ids", b, row, vocab_size)
+               for b, row in enumerate(_rows(output, "prompt_ids", num_prompts))]
     completions = _rows(output, "completion_ids", num_prompts)
-    completions = [_token_ids("completion_ids", b, row) for b, row in enumerate(completions)]
+    completions = [_token_ids("completion_ids", b, row, vocab_size) for b, row in enumerate(completions)]
     for b, (prompt, completion) in enumerate(zip(prompts, completions)):
         if not prompt:
             raise ValueError(f"rollout_func's 'prompt_ids'[{b}] is empty: a completion continues at least one token")

@@ -738,7 +738,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             finally:
                 self._generating_policy = self._episode_temperature = None
                 self._episode_logprobs = True
-        outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length)
+        # an id past the embedding rows would crash deep in the model (a device assert on CUDA): refused here
+        outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length,
+                                  vocab_size=embedding_rows(self.unwrapped.policy))
         responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
         queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
         device = self.accelerator.device
