@@ -227,3 +227,36 @@ def test_async_callables_are_recognised_through_partial_and_call():
     assert is_async_tool(coroutine_tool) and is_async_tool(functools.partial(coroutine_tool, 1))
     assert is_async_tool(AsyncCallable())
     assert not is_async_tool(multiply) and not is_async_tool(functools.partial(multiply, 1))
+
+
+class Unprintable:
+    def __str__(self):
+        raise ValueError("no text for you")
+
+
+class UnprintableError(Exception):
+    def __str__(self):
+        raise ValueError("nor for me")
+
+
+@pytest.mark.parametrize("tool_timeout", [None, 5])
+def test_a_result_whose_str_raises_is_an_error_result_and_a_failure(tool_timeout):
+    # issue 40 case 5: before, str(result) raised out of the executor and ended train()
+    def odd() -> str:
+        return Unprintable()
+
+    async def odd_async() -> str:
+        return Unprintable()
+
+    def raises_oddly() -> str:
+        raise UnprintableError()
+
+    tools = {"odd": odd, "odd_async": odd_async, "raises_oddly": raises_oddly, "multiply": multiply}
+    out = ToolExecutor(tool_timeout).execute([call("odd"), call("odd_async"), call("raises_oddly"),
+                                              call("multiply", a=2, b=3)], tools)
+    contents = [m["content"] for m in out.messages]
+    assert contents[0] == ("{'error': 'Tool odd returned a Unprintable whose str() raised ValueError: "
+                           "no text for you'}")
+    assert contents[1].startswith("{'error': 'Tool odd_async returned a Unprintable whose str() raised")
+    assert contents[2] == "{'error': '<UnprintableError whose str() raised>'}"
+    assert contents[3] == "6" and (out.calls, out.failures) == (4, 3)

@@ -29,7 +29,8 @@ a grace second the loop is abandoned the same way and a fresh one serves the nex
 Results that are not strings. TRL passes a list through as content blocks (its VLM image path,
 G:2018) and stringifies anything else. A text-only chat template renders list content as
 nothing (Qwen3's writes ``''``), so here every non-string result is stringified, with one
-warning per tool name. The error dicts are ours and are stringified silently.
+warning per tool name. The error dicts are ours and are stringified silently. A result whose ``str()`` raises is an
+error result and a counted failure, like any other tool failure (TRL 1.16 would raise).
 
 Example:
 
@@ -135,7 +136,8 @@ class ToolExecutor:
                 outcomes[index] = outcome
         results = ToolResults(messages=[], calls=len(outcomes))
         for outcome in outcomes:
-            results.messages.append({"role": "tool", "name": outcome.name, "content": self._content(outcome)})
+            content = self._content(outcome)  # first: a result whose str() raises becomes an error here
+            results.messages.append({"role": "tool", "name": outcome.name, "content": content})
             results.failures += outcome.error is not None
             if outcome.timed_out:
                 results.timed_out.append(outcome.name)
@@ -171,7 +173,7 @@ class ToolExecutor:
             try:
                 return _Call(name, value=tool(**arguments)), None
             except Exception as error:  # noqa: BLE001 - any tool error becomes the model's observation
-                return _Call(name, error=str(error)), None
+                return _Call(name, error=_describe(error)), None
         return self._run_in_thread(name, tool, dict(arguments)), None
 
     def _run_in_thread(self, name: str, tool: Callable, arguments: dict) -> _Call:
@@ -181,7 +183,7 @@ class ToolExecutor:
             try:
                 box["value"] = tool(**arguments)
             except Exception as error:  # noqa: BLE001
-                box["error"] = str(error)
+                box["error"] = _describe(error)
 
         thread = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
         thread.start()
@@ -223,7 +225,7 @@ class ToolExecutor:
             except asyncio.TimeoutError:
                 return self._timeout(name)
             except Exception as error:  # noqa: BLE001
-                return _Call(name, error=str(error))
+                return _Call(name, error=_describe(error))
 
         async def together():
             return await asyncio.gather(*(one(name, tool, arguments) for _, name, tool, arguments in pending))
@@ -244,11 +246,19 @@ class ToolExecutor:
 
     # ------------------------------------------------------------ what the model reads
     def _content(self, outcome: _Call) -> str:
+        """The text the model reads; a result whose ``str()`` raises becomes an error result (and
+        ``outcome`` a counted failure), as every other tool failure does."""
         if outcome.error is not None:
             return str({"error": outcome.error})
         value = outcome.value
         if isinstance(value, str):
             return value
+        try:
+            text = str(value)
+        except Exception as error:  # noqa: BLE001 - a result the model cannot read is a failed call, not a crash
+            outcome.error = (f"Tool {outcome.name} returned a {type(value).__name__} whose str() raised "
+                             f"{type(error).__name__}: {_describe(error)}")
+            return str({"error": outcome.error})
         if outcome.name not in self._warned:
             self._warned.add(outcome.name)
             warnings.warn(
@@ -258,4 +268,12 @@ class ToolExecutor:
                 UserWarning,
                 stacklevel=3,
             )
-        return str(value)
+        return text
+
+
+def _describe(error: BaseException) -> str:
+    """``str(error)``, or its class name when even that raises (an exception's own ``__str__`` may)."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001
+        return f"<{type(error).__name__} whose str() raised>"
