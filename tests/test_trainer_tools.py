@@ -219,3 +219,32 @@ def test_a_timed_out_tool_cannot_decide_the_environment_reward(tmp_path, policy_
     assert trainer._tool_metrics()["tools/timed_out_frac"] == 1.0
     rollout = trainer.score_rollout(sample)
     assert (trainer.compute_advantages(rollout).advantages == 0).all()  # no reward applies: nothing to train on
+
+
+def _zero(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_tok):
+    # issue 40 case 6: the update a preemption stopped in was logged with tools/* 0 after the resume
+    from trl_ppo_ext.run.preemption import InflightUpdate, UpdatePreempted
+
+    policy, tok = policy_and_tok
+    stopped = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path, num_mini_batches=2),
+                            train_dataset=_data(), tools=[multiply], reward_funcs=[_zero])
+    stopped._sigterm.stop_agreed = lambda accelerator: True
+    stopped._batches = stopped._repeat_dataloader()
+    rollout = stopped.collect_rollout(1)  # as run_update collects it: the tool counts start from 0
+    expected = stopped._tool_metrics()
+    assert expected["tools/call_frequency"] == 1.0 and expected["rollout/turns_max"] == 2.0
+    with pytest.raises(UpdatePreempted) as stop:
+        stopped.ppo_update(rollout, stopped.compute_advantages(rollout), 1)
+    path = tmp_path / "inflight.pt"
+    stop.value.inflight.save(str(path))
+
+    resumed = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path, num_mini_batches=2),
+                            train_dataset=_data(), tools=[multiply], reward_funcs=[_zero])
+    resumed._resume_inflight = InflightUpdate.load(str(path), torch.device("cpu"))
+    again, _ = resumed._resumed_rollout()
+    assert resumed._tool_metrics() == expected
+    assert again.extras.keys() == rollout.extras.keys()  # the counts travel beside the columns, not in them

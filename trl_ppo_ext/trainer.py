@@ -32,7 +32,7 @@ import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from accelerate import Accelerator
@@ -129,6 +129,9 @@ from .run.state import RunCounters
 from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
+
+# The key under which a preempted update's rollout keeps its tool loops' counts (ToolLoopStats fields).
+INFLIGHT_TOOL_STATS = "_tool_loop_stats"
 
 # The metrics a run without a critic does not log (see PPOTrainer.update_metrics).
 CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
@@ -963,8 +966,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         decision = GuardDecision.keep_going({})
         slices = self.plan.mini_batch_slices()
         tokens_only = replace(rollout, extras={})  # the loss reads no dataset column: no host index per micro-batch
-        # what a preempted checkpoint keeps: live environment objects cannot be saved (nor loaded weights_only)
+        # what a preempted checkpoint keeps: live environment objects cannot be saved (nor loaded weights_only);
+        # the tool loop's counts of this rollout can, so the resumed update logs its tools/* figures (issue 40)
         saved = replace(rollout, extras={k: v for k, v in rollout.extras.items() if k != "environments"})
+        if self.agent_rollout is not None:
+            saved.extras[INFLIGHT_TOOL_STATS] = asdict(self._tool_stats)
         for epoch in range(start.epoch if start else 0, self.plan.num_ppo_epochs):
             resuming = start is not None and epoch == start.epoch and start.order is not None
             order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
@@ -981,7 +987,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """The rollout and advantages of the update a preempted checkpoint stopped in."""
         inflight = self._resume_inflight
         self.counters.rollout_age = inflight.rollout_age
-        return Rollout(**inflight.rollout), PPOTargets(**inflight.advantages)
+        extras = dict(inflight.rollout.get("extras") or {})
+        tool_stats = extras.pop(INFLIGHT_TOOL_STATS, None)
+        if tool_stats is not None:  # the counts of the tool loops that sampled this rollout
+            self._tool_stats = ToolLoopStats(**tool_stats)
+        return Rollout(**{**inflight.rollout, "extras": extras}), PPOTargets(**inflight.advantages)
 
     def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
         """Accumulate gradients over the mini-batch's micro-batches, then step once if finite.
