@@ -3,8 +3,8 @@ the arithmetic in comments, naive loops against the vectorised code on random in
 ``estimator_targets`` against the same pieces assembled by hand."""
 
 import math
-from dataclasses import replace
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -403,8 +403,8 @@ def test_grpo_leaves_an_unscored_row_out_of_its_group_by_hand():
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 0.0, 0.0], dtype=torch.float64)
     s3, s2 = math.sqrt(1 / 3) + EPS, math.sqrt(2) + EPS
     expected = [2 / 3 / s3, 0.0, -1 / 3 / s3, -1 / 3 / s3, -1 / s2, 1 / s2, 0.0, 0.0]
-    torch.testing.assert_close(E.grpo_advantages(scores, 4, "group", SCORED), torch.tensor(expected, dtype=torch.float64),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(E.grpo_advantages(scores, 4, "group", SCORED),
+                               torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
     # "none": centred on the scored mean only; "batch": over the std of the 5 scored values (1, 0, 0, 2, 4)
     none = E.grpo_advantages(scores, 4, "none", SCORED)
     torch.testing.assert_close(none, torch.tensor([2 / 3, 0, -1 / 3, -1 / 3, -1, 1, 0, 0], dtype=torch.float64))

@@ -94,6 +94,7 @@ from .rewards.process import ProcessRewardModel, with_process_reward_models
 from .rewards.scoring import (
     build_rewards,
     check_reward_heads,
+    nonfinite_rewards,
     reward_function_kwargs,
     rewards_per_token,
     with_reward_tokenizers,
@@ -326,6 +327,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
         self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
         self._applied_steps = 0  # optimizer steps taken (not skipped) by this trainer object
+        self._nonfinite_cause: str | None = None  # which reward returned NaN/inf in this update's rollout
         # the global step the policy's weights are from: advanced by a step that moved the policy (not
         # a critic warm-up step), set by a resume; a generation engine gets weights when it changes
         self._policy_version = 0
@@ -621,6 +623,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             if self.args.max_rollout_age is None or age <= self.args.max_rollout_age:
                 self.guards.fresh_rollout()
                 self.counters.rollout_age = age
+                self._nonfinite_cause = self._nonfinite_reward_cause(rollout, update)
                 return rollout
             logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
                            "regenerating it with the current policy.", update, age, self.args.max_rollout_age)
@@ -629,6 +632,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 return decision
             prompts = {"input_ids": rollout.queries, "attention_mask": rollout.query_mask, **rollout.extras}
             rollout = self.score_rollout(self.generate_rollout(prompts))
+
+    def _nonfinite_reward_cause(self, rollout: Rollout, update: int) -> str | None:
+        """Which reward returned NaN/inf for which of this process's completions (``rewards.scoring.
+        nonfinite_rewards``), said once here, and by the skipped step and the non-finite guard."""
+        if rollout.reward_values is None:
+            return None
+        cause = nonfinite_rewards(rollout.reward_values, rollout.reward_applies, [r.name for r in self.rewards])
+        if cause is not None:
+            logger.warning(
+                "Update %d: %s (of %d completions on this process). A non-finite score makes the update's loss "
+                "non-finite: its optimizer steps are skipped, so the whole update's %d completions are lost (the "
+                "non-finite guard, nonfinite_halt_after, halts a run of such updates). Return a finite number, or "
+                "None where a reward does not apply.", update, cause, rollout.batch_size, self.args.batch_size)
+        return cause
 
     def _prompt_tensors(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(queries, query_mask)`` left padded, from the collator's ids and attention mask."""
@@ -899,7 +916,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
         (``reward.tokenizer``): the RM's text rebuilt (conversational prompts: the prompt and the
         episode's messages, or the decoded completion as one assistant message, in the RM's chat
-        template with ``chat_template_kwargs``; plain: the decoded text) and scored ``local_rollout_forward_batch_size`` rows at a time
+        template with ``chat_template_kwargs``; plain: the decoded text) and scored
+        ``local_rollout_forward_batch_size`` rows at a time
         (``reward_text.reward_model_texts``, ``reward_text.score_texts``). ``kwargs``: the batch's
         :meth:`reward_function_kwargs` when already built."""
         kwargs = kwargs if kwargs is not None else self.reward_function_kwargs(sample)
@@ -1070,8 +1088,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             if not self.is_deepspeed_enabled:  # the engine keeps its own loss scale
                 skip_scaler_step(getattr(self.accelerator, "scaler", None), self.optimizer)
             self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
-            logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient.", update)
-            return self.guards.nonfinite_step(update)
+            cause = self._nonfinite_cause
+            logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient%s.", update,
+                           f" ({cause})" if cause else "")
+            return self.guards.nonfinite_step(update, cause)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self._applied_steps += 1

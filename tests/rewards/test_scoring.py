@@ -18,6 +18,7 @@ from trl_ppo_ext.rewards.scoring import (
     check_outputs,
     combine_scores,
     evaluate_rewards,
+    nonfinite_rewards,
     reward_name,
     values_and_mask,
 )
@@ -265,6 +266,34 @@ def test_nan_from_a_reward_function_is_caught_by_the_nonfinite_guard(make_traine
                            total_episodes=16, nonfinite_halt_after=2)
     trainer.train()
     assert trainer.state.halted_by == "nonfinite"
+
+
+def test_nonfinite_rewards_names_the_function_its_values_and_rows():
+    nan, inf = float("nan"), float("inf")
+    values = torch.tensor([[1.0, 0.5], [nan, 0.5], [2.0, -inf], [nan, inf]])
+    applies = torch.tensor([[True, True], [True, True], [True, True], [True, False]])  # row 3's inf: not applying
+    assert nonfinite_rewards(values, applies, ["acc", "judge"]) == (
+        "reward 'acc' returned nan for completions [1, 3]; reward 'judge' returned -inf for completion [2]")
+    assert nonfinite_rewards(values.nan_to_num(), applies, ["acc", "judge"]) is None
+
+
+def test_nan_rewards_name_the_function_the_rows_and_the_update_and_skip_the_whole_update(make_trainer, caplog):
+    # issue 40 case 7: before, only "Update 1: skipped an optimizer step with a non-finite loss or gradient." and
+    # a guard message naming no reward. The skip stays (documented): all 4 completions of the update are lost.
+    def flaky(completions, **kwargs):
+        return [float("nan") if i in (1, 2) else 1.0 for i in range(len(completions))]
+
+    trainer = make_trainer(reward_model=None, reward_funcs=[flaky], total_episodes=4, nonfinite_halt_after=1)
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.trainer"):
+        trainer.train()
+    said = "reward 'flaky' returned nan for completions [1, 2]"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"Update 1: {said} (of 4 completions on this process)") and "whole update's 4" in m
+               for m in messages)
+    assert any(m.startswith("Update 1: skipped an optimizer step") and said in m for m in messages)
+    assert trainer.state.halted_by == "nonfinite" and said in trainer.state.stop_reason
+    assert all(torch.equal(p, before[n]) for n, p in trainer.unwrapped.named_parameters())  # the skip
 
 
 def test_a_reward_function_as_the_held_out_metric(make_trainer, make_prompts, tok):

@@ -50,8 +50,8 @@ from .remote import RemoteReward, RemoteRewardError, remote_reward
 __all__ = [
     "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs",
     "check_reward_heads", "combine_scores", "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level",
-    "process_rewards", "processing_class_entries", "remote_reward", "reward_function_kwargs", "reward_name",
-    "rewards_per_token", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
+    "nonfinite_rewards", "process_rewards", "processing_class_entries", "remote_reward", "reward_function_kwargs",
+    "reward_name", "rewards_per_token", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -488,6 +488,36 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
     weights = torch.tensor([r.weight for r in rewards], device=device)
     counted = applies & torch.tensor(in_scores, dtype=torch.bool, device=device)
     return combine_scores(values, counted, weights), values, applies, total
+
+
+def nonfinite_rewards(values: torch.Tensor, applies: torch.Tensor, names: Sequence[str]) -> str | None:
+    """Which reward returned a NaN or inf, for which completions: the cause a non-finite guard names.
+
+    Args:
+        values: ``(B, F)`` each reward's value (``Rollout.reward_values``). applies: ``(B, F)`` bool.
+        names: the ``F`` rewards' names.
+    Returns:
+        ``"reward 'f' returned nan for completions [1, 5]; ..."`` (a reward's first values, at most
+        8 rows each), or None when every applying value is finite. Reads the values on the host.
+
+    Example:
+        >>> nonfinite_rewards(torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]]),
+        ...                   torch.ones(2, 2, dtype=torch.bool), ["acc", "judge"])
+        "reward 'acc' returned inf for completion [1]; reward 'judge' returned nan for completion [0]"
+    """
+    bad = applies & ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return None
+    parts = []
+    for f, name in enumerate(names):
+        rows = bad[:, f].nonzero().flatten().tolist()
+        if not rows:
+            continue
+        kinds = sorted({repr(float(v)) for v in values[rows, f].tolist()})
+        shown = rows[:8] + (["..."] if len(rows) > 8 else [])
+        noun = "completion" if len(rows) == 1 else "completions"
+        parts.append(f"reward {name!r} returned {' and '.join(kinds)} for {noun} {shown}".replace("'...'", "..."))
+    return "; ".join(parts)
 
 
 def separator_ends(ids: torch.Tensor, mask: torch.Tensor, separator_ids: Sequence[int]) -> torch.Tensor:

@@ -280,12 +280,17 @@ class GuardRails:
         self._warning: set[str] = set()  # warn-only guards firing at the last update
 
     # ------------------------------------------------------------------ events
-    def nonfinite_step(self, update: int) -> GuardDecision:
-        """Record an optimizer step skipped for a NaN/inf loss or gradient norm during ``update``."""
+    def nonfinite_step(self, update: int, cause: str | None = None) -> GuardDecision:
+        """Record an optimizer step skipped for a NaN/inf loss or gradient norm during ``update``;
+        ``cause``: what made it non-finite when known (e.g. which reward returned NaN for which
+        completions), said in the halt message."""
         self._nonfinite_run += 1
         self.counters.nonfinite_steps += 1
         self._nonfinite_peak = max(self._nonfinite_peak, self._nonfinite_run)
-        message = _halt_message("nonfinite", update, self._nonfinite_message(self._nonfinite_run, update))
+        body = self._nonfinite_message(self._nonfinite_run, update)
+        if body and cause:
+            body = f"{body} At update {update}: {cause}."
+        message = _halt_message("nonfinite", update, body)
         figures = self._event_figures()
         return GuardDecision(True, "nonfinite", message, figures) if message else GuardDecision.keep_going(figures)
 
