@@ -1,6 +1,8 @@
 """PPOConfig's num_generations, advantage_estimator and scale_rewards: defaults, the checks in
 __post_init__ (each error names the fields), TRL GRPO's legacy booleans, and the command line."""
 
+import warnings
+
 import pytest
 from transformers import HfArgumentParser
 
@@ -72,3 +74,20 @@ def test_the_fields_parse_on_the_command_line(tmp_path):
     with pytest.raises(SystemExit):  # argparse's choices
         HfArgumentParser(PPOConfig).parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--advantage_estimator", "ppo"])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_a_critic_free_estimator_names_the_critic_settings_it_ignores(make_config, estimator):
+    # issue 40: lam, value_lam, lam_length_alpha, whiten_*, vf_coef and cliprange_value were silently unread
+    with pytest.warns(UserWarning, match=rf"advantage_estimator='{estimator}' trains no critic and does not read "
+                                         r"lam=0\.9, value_lam=1\.0, lam_length_alpha=0\.05, whiten_rewards=True, "
+                                         r"whiten_advantages=False, vf_coef=0\.5, cliprange_value=None: "):
+        make_config(advantage_estimator=estimator, num_generations=2, lam=0.9, value_lam=1.0, lam_length_alpha=0.05,
+                    whiten_rewards=True, whiten_advantages=False, vf_coef=0.5, cliprange_value=None)
+
+
+def test_critic_settings_at_their_defaults_or_with_gae_say_nothing(make_config):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        make_config(advantage_estimator="grpo", num_generations=2)
+        make_config(advantage_estimator="gae", lam=0.9, whiten_advantages=False, vf_coef=0.5)

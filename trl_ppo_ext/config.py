@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -472,6 +473,26 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 f"{self.advantage_estimator!r}, which trains no critic: there is nothing to warm up. Set "
                 "critic_warmup_steps=0, or advantage_estimator='gae'."
             )
+        ignored = [] if self.trains_critic else _changed_from_default(self, CRITIC_ONLY_FIELDS)
+        if ignored:  # issue 40: a critic-free estimator read none of these, silently
+            warnings.warn(
+                f"PPOConfig: advantage_estimator={self.advantage_estimator!r} trains no critic and does not read "
+                f"{', '.join(f'{name}={value!r}' for name, value in ignored)}: these are the critic's and GAE's "
+                "settings (the group estimators normalise by scale_rewards, REINFORCE++ always whitens), so they "
+                "have no effect. Leave them at their defaults, or use advantage_estimator='gae'.",
+                UserWarning, stacklevel=3)
+
+
+# The fields only the critic's GAE path reads (advantages.compute_targets, the value loss): a critic-free
+# estimator ignores them.
+CRITIC_ONLY_FIELDS = ("lam", "value_lam", "lam_length_alpha", "whiten_rewards", "whiten_advantages", "vf_coef",
+                      "cliprange_value")
+
+
+def _changed_from_default(config, names) -> list[tuple[str, object]]:
+    """``(name, value)`` of each field of ``names`` whose value is not its dataclass default."""
+    defaults = {f.name: f.default for f in fields(config)}
+    return [(name, getattr(config, name)) for name in names if getattr(config, name) != defaults.get(name)]
 
 
 def as_ppo_config(args) -> PPOConfig:
