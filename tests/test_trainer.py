@@ -295,3 +295,23 @@ def test_as_ppo_config_returns_ours_as_it_is_and_names_a_wrong_type(make_config)
     assert as_ppo_config(args) is args
     with pytest.raises(TypeError, match=r"`args` must be a trl_ppo_ext.PPOConfig.*got dict"):
         as_ppo_config({})
+
+
+def test_the_offload_flags_warn_once_under_deepspeed(make_trainer, monkeypatch):
+    # issue 40: under DeepSpeed the frozen models become DeepSpeed engines and the flags did nothing, silently
+    import warnings
+
+    import trl_ppo_ext.trainer as trainer_module
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = make_trainer(offload_ref_model=True, offload_reward_model=True)
+    assert not [w for w in seen if "under DeepSpeed" in str(w.message)]  # without DeepSpeed: not said
+    monkeypatch.setattr(trainer_module, "prepare_frozen_model", lambda model, accelerator, prepare: model)
+    trainer.is_deepspeed_enabled = True
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer._place_frozen_models()
+    said = [str(w.message) for w in seen if "under DeepSpeed" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(
+        "offload_ref_model=True and offload_reward_model=True has no effect under DeepSpeed")

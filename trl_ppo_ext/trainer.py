@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -425,6 +426,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """Reward and reference models: on the training device, or parked on the CPU when
         offloaded (moved in for each scoring pass, see ``score_rollout``)."""
         reward_models = [r.source for r in self.rewards if r.is_model]
+        offloads = [name for name in ("offload_ref_model", "offload_reward_model") if getattr(self.args, name, False)]
+        if self.is_deepspeed_enabled and offloads:  # issue 40: the flags did nothing here, silently
+            warnings.warn(
+                f"{' and '.join(f'{name}=True' for name in offloads)} has no effect under DeepSpeed: the frozen "
+                "models become DeepSpeed engines, which DeepSpeed places (on the training device; under ZeRO-3 its "
+                "own zero_optimization.offload_param applies). Unset the flag, or offload through the DeepSpeed "
+                "config.", UserWarning, stacklevel=3)
         for m in (self.unwrapped, self.ref_model, *reward_models):
             if m is not None and is_4bit_model(m):
                 make_4bit_cpu_safe(m)  # bitsandbytes' CPU repack breaks LoRA gradients
