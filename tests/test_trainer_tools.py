@@ -227,6 +227,7 @@ def _zero(completions, **kwargs):
 
 def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_tok):
     # issue 40 case 6: the update a preemption stopped in was logged with tools/* 0 after the resume
+    from trl_ppo_ext.agents import ToolLoopStats
     from trl_ppo_ext.run.preemption import InflightUpdate, UpdatePreempted
 
     policy, tok = policy_and_tok
@@ -242,8 +243,8 @@ def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_t
     path = tmp_path / "inflight.pt"
     stop.value.inflight.save(str(path))
 
-    resumed = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path, num_mini_batches=2),
-                            train_dataset=_data(), tools=[multiply], reward_funcs=[_zero])
+    resumed = stopped  # as a fresh trainer loading the checkpoint: no tool loop has run in it
+    resumed._tool_stats = ToolLoopStats()
     resumed._resume_inflight = InflightUpdate.load(str(path), torch.device("cpu"))
     again, _ = resumed._resumed_rollout()
     assert resumed._tool_metrics() == expected
