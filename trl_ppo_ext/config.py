@@ -474,7 +474,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 "critic_warmup_steps=0, or advantage_estimator='gae'."
             )
         ignored = [] if self.trains_critic else _changed_from_default(self, CRITIC_ONLY_FIELDS)
-        if ignored:  # issue 40: a critic-free estimator read none of these, silently
+        if ignored:  # a critic-free estimator reads none of these: say so rather than ignore them
             warnings.warn(
                 f"PPOConfig: advantage_estimator={self.advantage_estimator!r} trains no critic and does not read "
                 f"{', '.join(f'{name}={value!r}' for name, value in ignored)}: these are the critic's and GAE's "

@@ -427,7 +427,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         offloaded (moved in for each scoring pass, see ``score_rollout``)."""
         reward_models = [r.source for r in self.rewards if r.is_model]
         offloads = [name for name in ("offload_ref_model", "offload_reward_model") if getattr(self.args, name, False)]
-        if self.is_deepspeed_enabled and offloads:  # issue 40: the flags did nothing here, silently
+        if self.is_deepspeed_enabled and offloads:  # the flags would do nothing here, silently
             warnings.warn(
                 f"{' and '.join(f'{name}=True' for name in offloads)} has no effect under DeepSpeed: the frozen "
                 "models become DeepSpeed engines, which DeepSpeed places (on the training device; under ZeRO-3 its "
@@ -930,7 +930,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         :meth:`reward_function_kwargs` when already built."""
         kwargs = kwargs if kwargs is not None else self.reward_function_kwargs(sample)
         # an episode's messages when known (tools, environments, a rollout_func's `completions`): the RM reads
-        # the conversation the episode was, in its own template, as TRL GRPO renders it (issue 40)
+        # the conversation the episode was, in its own template, as TRL GRPO renders it
         rendered = reward_model_texts(kwargs["prompts"], valid_token_ids(sample)[0], kwargs["completion_ids"],
                                       self.processing_class, reward.tokenizer, completions=kwargs.get("completions"),
                                       chat_template_kwargs=self.args.chat_template_kwargs)
@@ -993,7 +993,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         slices = self.plan.mini_batch_slices()
         tokens_only = replace(rollout, extras={})  # the loss reads no dataset column: no host index per micro-batch
         # what a preempted checkpoint keeps: live environment objects cannot be saved (nor loaded weights_only);
-        # the tool loop's counts of this rollout can, so the resumed update logs its tools/* figures (issue 40)
+        # the tool loop's counts of this rollout can, so the resumed update logs its tools/* figures
         saved = replace(rollout, extras={k: v for k, v in rollout.extras.items() if k != "environments"})
         if self.agent_rollout is not None:
             saved.extras[INFLIGHT_TOOL_STATS] = asdict(self._tool_stats)
