@@ -15,7 +15,7 @@ class Steps:
     """Gym-style: the start is the seed (7 without one); each step pays the next of REWARDS and
     ends the episode at the third step (terminated) or when the action is "quit" (truncated)."""
 
-    REWARDS = [0.5, -0.25, 1.0]
+    REWARDS = (0.5, -0.25, 1.0)
 
     def __init__(self):
         self.resets, self.actions = [], []
@@ -120,9 +120,11 @@ class Guessing:
         return Observed("guess a number")
 
     def step(self, action, timeout_s=None, **kwargs):
-        if action["guess"] == self.target:
+        guess = action["guess"]
+        if guess == self.target:
             return Observed("right", done=True, reward=1.0)
-        return Observed("higher" if action["guess"] < self.target else "lower", reward=None if action["guess"] else -0.5)
+        penalty = -0.5 if guess == 0 else None  # 0 is out of range; a wrong guess in range pays nothing (None)
+        return Observed("higher" if guess < self.target else "lower", reward=penalty)
 
 
 def test_an_openenv_environment_reads_done_and_reward_from_its_observations():
