@@ -58,6 +58,7 @@ def test_reset_seeds_from_the_row_so_a_group_starts_alike():
     assert a.reset(**row) == b.reset(**row) == "\n\nstart 3"  # a blank line after the prompt's text
     assert a.environment.resets == b.environment.resets == [3] and a.seed == 3
     assert c.reset(prompt=[{"role": "user", "content": ""}]) == "start 7"  # no seed column: its own draw
+    assert Env().reset(prompt="Go.") == "start 7"  # a text prompt: no message to separate from
     assert c.environment.resets == [None] and c.seed is None
     assert c.reset(level=2, seed="5") == "start 5" and c.environment.resets == [None, 5]  # other columns ignored
     assert steps_env(seed_column="level")().reset(level=4, seed=9) == "start 4"

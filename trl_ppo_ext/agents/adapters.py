@@ -84,7 +84,8 @@ class StepEnvironment:
         text = self._render(self._reset_env(self.seed))
         self.observations = [text]
         prompt = row.get("prompt")
-        return f"\n\n{text}" if prompt and prompt[-1].get("content") else text
+        has_text = isinstance(prompt, list) and bool(prompt) and bool(prompt[-1].get("content"))
+        return f"\n\n{text}" if has_text else text
 
     def get_reward(self) -> float:
         """The episode's return: the sum of its step rewards (0.0 before any step)."""
