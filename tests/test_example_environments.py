@@ -206,3 +206,13 @@ def test_reasoning_gym_score_answer_is_the_reward(tmp_path):
     assert sorted(r.scores.tolist() for r in rollouts) == [[1.0, 0.0], [1.0, 0.5]]  # each sample its own score
     assert env_reasoning_gym.reasoning_gym_score(["<answer>-4</answer>", "-4", "<answer> -4 </answer>"],
                                                  ["basic_arithmetic"] * 3, [2] * 3, [1] * 3, [0] * 3) == [1.0, 0.0, 1.0]
+
+
+def test_the_script_names_the_extra_when_a_package_is_missing():
+    import ppo_environments
+
+    assert ppo_environments.parse_args(["--env", "gem"]).env == "gem"
+    with pytest.raises(SystemExit):
+        ppo_environments.parse_args(["--env", "wordle"])  # not among the four
+    with pytest.raises(SystemExit, match=r'--env no_such_package needs its package: pip install "trl-ppo-ext\[envs\]"'):
+        ppo_environments.load("no_such_package")
