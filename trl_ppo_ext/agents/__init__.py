@@ -2,6 +2,8 @@
 
 - `tools`: run parsed tool calls (sync and async, errors, ``tool_timeout``) into ``tool`` messages;
 - `environments`: ``environment_factory`` (probe, pool, ``reset(**row)``, ``get_reward`` rewards);
+- `adapters`: a gym-style or OpenEnv environment as an ``environment_factory`` class with one
+  tool (`gym_environment`, `openenv_environment`);
 - `tool_loop`: the batched multi-turn loop, token ids in and out, for any ``generate`` callable;
 - `support`: the construction-time check of TRL, transformers and the chat template;
 - `rollout_func`: all of it as one ``rollout_func`` (`AgentRollout`);
@@ -15,6 +17,7 @@ The facts of TRL's contract, with file and line, are in ``../shared/notes/agenti
 0.5
 """
 
+from .adapters import StepEnvironment, gym_environment, openenv_environment
 from .arguments import ToolArguments
 from .environments import EnvironmentBatch, Environments, environment_methods
 from .rollout_func import AgentRollout
@@ -23,8 +26,7 @@ from .tool_loop import ToolLoopResult, ToolLoopStats, run_tool_loop, tool_suffix
 from .tools import ToolExecutor, ToolResults, tool_dict
 
 __all__ = [
-    "AgentRollout", "EnvironmentBatch", "Environments", "TOOLS_MIN_TRL", "ToolArguments", "ToolExecutor",
-    "ToolLoopResult", "ToolLoopStats", "ToolResults", "check_tool_support", "environment_methods", "run_tool_loop",
-    "tool_dict",
-    "tool_suffix_ids",
+    "AgentRollout", "EnvironmentBatch", "Environments", "StepEnvironment", "TOOLS_MIN_TRL", "ToolArguments",
+    "ToolExecutor", "ToolLoopResult", "ToolLoopStats", "ToolResults", "check_tool_support", "environment_methods",
+    "gym_environment", "openenv_environment", "run_tool_loop", "tool_dict", "tool_suffix_ids",
 ]
