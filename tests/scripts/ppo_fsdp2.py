@@ -4,14 +4,14 @@ tests/scripts/ppo_two_process.py (``run_layout`` here), the reference the tests 
 
     ppo_fsdp2.py OUT LAYOUT [LAYOUT ...] [--resume-check K] [--probe-generation]
 
-LAYOUT (each trained in turn, in this one launch, 3 updates with a checkpoint after each, the
-settings of tests/scripts/ppo_deepspeed.py, so the runs compare with the ZeRO ones):
+LAYOUT (each trained in turn, in this one launch, 3 updates with a checkpoint after each but for
+shared, the settings of tests/scripts/ppo_deepspeed.py, so the runs compare with the ZeRO ones):
   separate        separate policy, value, reference and reward models (full fine-tune)
   shared          the LoRA shared-backbone actor-critic (value head on the policy's hidden states)
   value_adapter   the same with a value LoRA adapter of its own (a second backbone pass)
 
---resume-check K    afterwards, for each layout a fresh trainer resumes from checkpoint-K of its
-                    run and trains to the end: are its parameters and logs equal to the run's?
+--resume-check K    afterwards, a fresh trainer of the separate layout resumes from checkpoint-K of
+                    its run and trains to the end: are its parameters and logs equal to the run's?
 --probe-generation  afterwards, count FSDP2 all-gathers during one rollout's generation of the
                     separate layout, with ds3_gather_for_generation True and False
 
@@ -112,8 +112,12 @@ def resume_check(tok, layout, out: Path, main, checkpoint: int) -> dict:
 
 def run_layout(tok, layout: str, out: Path, save: bool = True):
     """Train ``layout`` into ``out`` (``out/out`` its checkpoints when ``save``); writes
-    ``out/rank<k>.json`` and ``out/params.pt``. Returns the trainer and the report."""
+    ``out/rank<k>.json``, ``out/start.pt`` and ``out/params.pt`` (the trainable parameters before
+    and after). Returns the trainer and the report."""
     trainer = make_trainer(tok, layout, out, save)
+    start_params = trainable_params(trainer)  # gathered by every process
+    if trainer.accelerator.process_index == 0:
+        torch.save(start_params, out / "start.pt")
     steps = record_optimizer_steps(trainer)
     start = time.perf_counter()
     trainer.train()
@@ -139,11 +143,12 @@ def main():
     trainer = None
     for layout in opts.layouts:
         announce(layout)
-        trainer, report = run_layout(tok, layout, opts.out / layout)
+        # the shared actor-critic's checkpoints are the value adapter's run's, less the adapter
+        trainer, report = run_layout(tok, layout, opts.out / layout, save=layout != "shared")
         if opts.probe_generation and layout == "separate":
             announce(f"{layout}/probe-generation")
             report["generation"] = probe_generation(trainer)
-        if opts.resume_check is not None and layout != "shared":  # the value adapter's run covers it
+        if opts.resume_check is not None and layout == "separate":  # the one with every kind of unit
             announce(f"{layout}/resume-check")
             report["resume_check"] = resume_check(tok, layout, opts.out, trainer, opts.resume_check)
         (opts.out / layout / f"rank{trainer.accelerator.process_index}.json").write_text(json.dumps(report))
