@@ -381,7 +381,7 @@ class SharedActorCritic(nn.Module):
     @property
     def _no_split_modules(self) -> list[str]:
         """The classes FSDP2 makes units of (``models.fsdp.unit_class_names``): the base's
-        transformers class and its transformer blocks."""
+        transformers class, its backbone (unless the embeddings are tied) and its blocks."""
         return unit_class_names(self.policy)
 
     @property

@@ -38,7 +38,6 @@ False
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -47,28 +46,28 @@ from torch import nn
 
 from .sharding import is_fsdp2_param
 
-logger = logging.getLogger(__name__)
 
-
-def _fsdp_module_class():
-    from torch.distributed.fsdp import FSDPModule
-
+def _fsdp_module_class() -> type | None:
+    """torch's ``FSDPModule`` (public from torch 2.6), None where this torch has none."""
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
     return FSDPModule
 
 
 def is_fsdp2_model(module: nn.Module) -> bool:
     """Whether ``module`` was sharded by ``fully_shard`` (it is an FSDP unit itself)."""
-    if not torch.distributed.is_available():
-        return False
-    return isinstance(module, _fsdp_module_class())
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
 
 
 def fsdp2_units(module: nn.Module) -> list[nn.Module]:
     """The FSDP units in ``module`` (itself included when it is one), outermost first."""
-    if not torch.distributed.is_available():
-        return []
     cls = _fsdp_module_class()
-    return [m for m in module.modules() if isinstance(m, cls)]
+    return [] if cls is None else [m for m in module.modules() if isinstance(m, cls)]
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:

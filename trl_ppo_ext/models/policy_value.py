@@ -149,7 +149,7 @@ class PolicyAndValue(nn.Module):
     @property
     def _no_split_modules(self) -> list[str]:
         """The classes FSDP2 makes units of (``models.fsdp.unit_class_names``): the policy's
-        transformers class and the transformer blocks of the policy and the value model."""
+        transformers class, and the backbones and blocks of the policy and the value model."""
         return unit_class_names(self.policy, self.value_model)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0, **kwargs):

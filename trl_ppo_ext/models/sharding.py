@@ -36,8 +36,12 @@ def is_zero3_param(param: torch.Tensor) -> bool:
 
 def is_fsdp2_param(param: torch.Tensor) -> bool:
     """A parameter sharded by FSDP2 (``fully_shard``): a ``DTensor`` holding this process's rows."""
-    from torch.distributed.tensor import DTensor
-
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor  # public from torch 2.5
+    except ImportError:
+        return False
     return isinstance(param, DTensor)
 
 
