@@ -30,6 +30,11 @@ fixtures by name.
     Every one of ``n_updates`` logged updates has every expected metric, all finite.
 ``record_optimizer_steps(trainer) -> list``
     Counts the torch optimizer's real steps; the list gets one count per logged update.
+``two_process_runs -> (OUT, CompletedProcess)``
+    One DDP launch of ``tests/scripts/ppo_two_process.py`` on 2 CPU processes (gloo), once per
+    session: ``tiny_setup.TWO_PROCESS_MODES`` (tests/test_distributed.py) then
+    ``tiny_setup.DDP_REFERENCE_MODES`` (tests/test_fsdp2.py's DDP reference), each writing
+    ``OUT/<mode>/rank<k>.json`` (``rank<k>.error`` for the one that raised: no mode after it runs).
 
 The plain functions behind these live in ``tests/scripts/tiny_setup.py``, which the subprocess
 scripts beside it import directly (they run outside pytest).
@@ -193,3 +198,14 @@ def needs_trl_grpo(se):
     why = se.trl_grpo_ok()
     if why is not None:
         pytest.skip(f"needs TRL's GRPOTrainer: {why}")
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory):
+    """See the module docstring; one launch (its ~10 s of start-up) for both test modules."""
+    out = tmp_path_factory.mktemp("two_process")
+    script = Path(__file__).parent / "scripts" / "ppo_two_process.py"
+    modes = [*tiny_setup.TWO_PROCESS_MODES, *tiny_setup.DDP_REFERENCE_MODES]
+    ddp = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
+    return out, tiny_setup.launch_two_processes(ddp, [str(script), str(out), *modes], {"ACCELERATE_USE_CPU": "1"},
+                                                timeout=1200)

@@ -2,19 +2,16 @@
 metrics, keeps parameters in sync; also with peft_config and ref_model=None, which crashes
 TRL 1.12 ('DistributedDataParallel' object has no attribute 'policy'). One launch runs every
 mode in turn (its start-up, ~10 s of imports and gloo set-up, is paid once); each mode's test
-reads that mode's reports. Then the helpers of `trl_ppo_ext.distributed` (the DeepSpeed runs
+reads that mode's reports (the launch is a session fixture of tests/conftest.py: it also trains
+tests/test_fsdp2.py's DDP reference runs). Then the helpers of `trl_ppo_ext.distributed` (the DeepSpeed runs
 themselves are in tests/test_deepspeed.py)."""
 
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tiny_setup
 import torch
 
 from trl_ppo_ext import distributed
@@ -23,32 +20,9 @@ from trl_ppo_ext.models import sharding
 
 pytestmark = pytest.mark.slow  # subprocess runs
 
-SCRIPT = Path(__file__).parent / "scripts" / "ppo_two_process.py"
-
-
-def _launch(args, timeout=600):
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", *args]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-
-
-MODES = ["separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools"]
-
-
-@pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory):
-    """One launch of ppo_two_process.py with every mode, in MODES' order: OUT/<mode>/rank<k>.json
-    for each mode that finished, OUT/<mode>/rank<k>.error for the one that raised (the last run).
-    A launch past its time limit is killed and returned with exit status None."""
-    out = tmp_path_factory.mktemp("two_process")
-    try:
-        return out, _launch([str(SCRIPT), str(out), *MODES], timeout=1200)
-    except subprocess.TimeoutExpired as late:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        return out, subprocess.CompletedProcess(late.cmd, None, text(late.stdout), text(late.stderr))
+# One DDP launch (tests/conftest.py's session fixture `two_process_runs`) runs these modes in turn,
+# then tests/test_fsdp2.py's DDP reference runs.
+MODES = list(tiny_setup.TWO_PROCESS_MODES)
 
 
 def _finished(out, mode):
@@ -60,9 +34,10 @@ def _mode_reports(runs, mode):
     out, proc = runs
     if _finished(out, mode):
         return [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)]
-    errors = {(m, r): (out / m / f"rank{r}.error").read_text() for m in MODES for r in (0, 1)
+    every = MODES + list(tiny_setup.DDP_REFERENCE_MODES)
+    errors = {(m, r): (out / m / f"rank{r}.error").read_text() for m in every for r in (0, 1)
               if (out / m / f"rank{r}.error").exists()}
-    first = next(m for m in MODES if not _finished(out, m))
+    first = next(m for m in every if not _finished(out, m))
     stopped = (f"mode {' and '.join(sorted({m for m, _ in errors}))} raised" if errors
                else f"the launch ended with exit status {proc.returncode} in mode {first}")
     pytest.fail(f"mode {mode!r} wrote no report on both processes ({stopped}; no mode after it runs):\n"
@@ -178,3 +153,65 @@ def test_gathered_and_full_state_are_plain_copies_without_zero3():
     copies["weight"].zero_()
     assert not torch.equal(copies["weight"], layer.weight)  # copies, not views
     assert sharding.full_state(layer.named_parameters(), keep=False) == {}
+
+
+# ---------------------------------------------------------------------- FSDP launches (tests/test_fsdp2.py runs one)
+def _fsdp_env(monkeypatch, version="2", world="2"):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", version)
+    monkeypatch.setenv("WORLD_SIZE", world)
+
+
+@pytest.mark.parametrize("world, cuda, expected", [("2", False, True), ("2", True, False), ("1", False, False)])
+def test_gloo_for_a_multi_process_fsdp_launch_without_cuda(monkeypatch, world, cuda, expected):
+    _fsdp_env(monkeypatch, world=world)
+    monkeypatch.setattr(distributed, "_has_device_accelerator", lambda: cuda)
+    assert distributed.needs_gloo_backend() is expected
+
+
+def test_an_fsdp1_launch_is_refused_by_name(monkeypatch):
+    _fsdp_env(monkeypatch, version="1")
+    with pytest.raises(ValueError, match="FSDP version 1 .*supports FSDP2 only. Set fsdp_version: 2"):
+        distributed.check_fsdp_version()
+    monkeypatch.delenv("FSDP_VERSION")  # accelerate's default is FSDP1 too
+    with pytest.raises(ValueError, match="FSDP version 1"):
+        distributed.process_state()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    distributed.check_fsdp_version()
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    distributed.check_fsdp_version()  # not an FSDP launch: nothing to refuse
+
+
+@pytest.mark.parametrize("before", ["NO", "MULTI_CPU"])
+def test_a_cpu_fsdp_state_is_handed_to_accelerate_as_a_device_run(monkeypatch, before):
+    """accelerate makes an FSDP run only of a device run: the state a CPU launch gets (each process
+    alone, or use_cpu's plain DDP) is marked as one, which AcceleratorState then turns into FSDP."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    _fsdp_env(monkeypatch)
+    monkeypatch.setattr(AcceleratorState, "_reset_state", lambda **kwargs: None)  # this process's own stays
+    state = SimpleNamespace(num_processes=2, distributed_type=DistributedType[before])
+    distributed._make_fsdp_state(state)
+    assert state.distributed_type == DistributedType.MULTI_GPU
+    alone = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)
+    with pytest.raises(RuntimeError, match="started 2 processes for FSDP, but this one sees a process group of 1"):
+        distributed._make_fsdp_state(alone)
+
+
+def test_an_fsdp_launch_that_did_not_become_an_fsdp2_run_is_refused(monkeypatch):
+    from accelerate.utils import DistributedType
+
+    _fsdp_env(monkeypatch)
+    plugin = SimpleNamespace(fsdp_version=2)
+    good = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2,
+                           state=SimpleNamespace(fsdp_plugin=plugin))
+    distributed.check_fsdp_run(good)
+    for bad in (SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, state=SimpleNamespace()),
+                SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, state=SimpleNamespace())):
+        with pytest.raises(RuntimeError, match="asked for FSDP2 on 2 processes, but the accelerator runs"):
+            distributed.check_fsdp_run(bad)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    distributed.check_fsdp_run(SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1))

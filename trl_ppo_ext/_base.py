@@ -164,8 +164,8 @@ class PPOFields:
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     ds3_gather_for_generation: bool = field(
         default=True,
-        metadata={"help": "DeepSpeed ZeRO-3: gather the policy weights for generation (faster; False fits "
-                  "models larger than one device at the cost of speed)."},
+        metadata={"help": "DeepSpeed ZeRO-3 and FSDP2: gather the policy weights for generation (faster; False "
+                  "fits models larger than one device at the cost of speed)."},
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
@@ -172,11 +173,23 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def unwrap_model_for_generation(*args, **kwargs):
-    """TRL's context manager that gathers ZeRO-3 weights for generation."""
+@contextmanager
+def unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params: bool = True, **kwargs):
+    """TRL's context manager that gathers ZeRO-3 weights for generation; under FSDP2 the policy's
+    units are gathered the same way (``models.fsdp.policy_for_generation``: once for the block
+    with ``gather_deepspeed3_params``, else in every forward)."""
     from trl.models.utils import unwrap_model_for_generation as _unwrap
 
-    return _unwrap(*args, **kwargs)
+    from .distributed import check_fsdp_run
+    from .models.fsdp import is_fsdp2_model, policy_for_generation
+
+    check_fsdp_run(accelerator)
+    with _unwrap(model, accelerator, gather_deepspeed3_params=gather_deepspeed3_params, **kwargs) as unwrapped:
+        if not is_fsdp2_model(unwrapped):
+            yield unwrapped
+            return
+        with policy_for_generation(unwrapped, getattr(unwrapped, "policy", unwrapped), gather_deepspeed3_params):
+            yield unwrapped
 
 
 def prepare_deepspeed(model, accelerator):

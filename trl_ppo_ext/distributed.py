@@ -1,6 +1,6 @@
-"""Running on several processes: the process group of a CPU-only DeepSpeed launch, the
+"""Running on several processes: the process group of a CPU-only DeepSpeed or FSDP2 launch, the
 DeepSpeed settings that PPO owns, and where the frozen models go (ZeRO's sharded parameters:
-:mod:`trl_ppo_ext.models.sharding`).
+:mod:`trl_ppo_ext.models.sharding`; FSDP2's units: :mod:`trl_ppo_ext.models.fsdp`).
 
 Nothing here imports DeepSpeed unless DeepSpeed is in use: it is an optional extra
 (``pip install trl-ppo-ext[deepspeed]``).
@@ -50,30 +50,105 @@ def _has_device_accelerator() -> bool:
     return any(getattr(au, name, lambda: False)() for name in _ACCELERATOR_CHECKS)
 
 
+def fsdp_requested() -> bool:
+    """Whether ``accelerate launch`` was asked for FSDP (``distributed_type: FSDP``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def requested_fsdp_version() -> int:
+    """The ``fsdp_version`` of an FSDP launch (accelerate's default, 1, when the config has none)."""
+    return int(os.environ.get("FSDP_VERSION", "1"))
+
+
+def check_fsdp_version() -> None:
+    """Refuse an FSDP1 launch (``fsdp_version: 1`` or none): the trainer reads and writes its
+    parameters one by one (checkpoints, the reference adapter, generation), which FSDP1's flat
+    parameters do not allow; FSDP2 keeps one sharded tensor per parameter."""
+    if fsdp_requested() and requested_fsdp_version() != 2:
+        raise ValueError(
+            f"The accelerate config asks for FSDP version {requested_fsdp_version()} (fsdp_version in fsdp_config); "
+            "trl-ppo-ext supports FSDP2 only. Set fsdp_version: 2 (see examples/accelerate_configs/fsdp2.yaml), or "
+            "use DDP or DeepSpeed ZeRO."
+        )
+
+
 def needs_gloo_backend() -> bool:
-    """A DeepSpeed launch of several processes on a machine with no device accelerator.
+    """A DeepSpeed or FSDP launch of several processes on a machine with no device accelerator.
 
     accelerate chooses no process-group backend there, so every rank believes it is process
     0 of 1 while DeepSpeed's own group holds them all: data is not sharded, every rank is
     "main", and the first gather fails (``ProcessGroupGloo::allgather: invalid output tensor
-    list``). GPU runs are left alone: they get NCCL from accelerate.
+    list``). An FSDP launch gets the same (two unsynchronised runs, silently). GPU runs are
+    left alone: they get NCCL from accelerate.
     """
-    return deepspeed_requested() and launched_world_size() > 1 and not _has_device_accelerator()
+    return (deepspeed_requested() or fsdp_requested()) and launched_world_size() > 1 and not _has_device_accelerator()
 
 
 def process_state():
     """accelerate's ``PartialState`` for this run, rebuilt with ``backend="gloo"`` when
     :func:`needs_gloo_backend` (``TrainingArguments`` already built it without a backend while
-    the config was created; DeepSpeed's process group itself is reused, not re-created)."""
+    the config was created; DeepSpeed's process group itself is reused, not re-created).
+
+    An FSDP launch on the CPU is made an FSDP run (see :func:`_make_fsdp_state`); an FSDP1
+    launch is refused (:func:`check_fsdp_version`).
+    """
     from accelerate import PartialState
     from accelerate.state import AcceleratorState
 
+    check_fsdp_version()
     state = PartialState()
     if needs_gloo_backend() and state.backend is None:
         AcceleratorState._reset_state(reset_partial_state=True)
         state = PartialState(backend="gloo")
-        logger.info("CPU-only DeepSpeed launch: using the gloo backend (%d processes).", state.num_processes)
+        logger.info("CPU-only %s launch: using the gloo backend (%d processes).",
+                    "DeepSpeed" if deepspeed_requested() else "FSDP", state.num_processes)
+    if fsdp_requested() and launched_world_size() > 1:
+        _make_fsdp_state(state)
     return state
+
+
+def _make_fsdp_state(state) -> None:
+    """Have the next ``Accelerator`` make this an FSDP run on the CPU too.
+
+    accelerate (1.16) turns a launch into an FSDP run only when its process group is on a
+    device it lists (``MULTI_GPU``, ``MULTI_NPU``, ...): with gloo on the CPU the state stays
+    ``NO`` (the backend it built itself: each process alone) or ``MULTI_CPU`` (``use_cpu``:
+    plain DDP), and FSDP is silently dropped. ``fully_shard`` itself runs on the CPU with gloo,
+    so the state is marked as a multi-process device run, which ``AcceleratorState`` (built by
+    the trainer's ``Accelerator`` right after this) turns into ``FSDP``; the device stays the
+    CPU. Raises where the launch still has a single process.
+    """
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if state.num_processes < 2:
+        raise RuntimeError(
+            f"accelerate launch started {launched_world_size()} processes for FSDP, but this one sees a process "
+            f"group of {state.num_processes} (distributed_type {state.distributed_type}): they would train "
+            "unsynchronised. Check the launch (num_processes, the process-group backend)."
+        )
+    if state.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
+        if AcceleratorState._shared_state:  # an Accelerator made before the trainer's: rebuilt by the trainer's
+            AcceleratorState._reset_state(reset_partial_state=False)
+        state.distributed_type = DistributedType.MULTI_GPU  # read once, by AcceleratorState, and replaced by FSDP
+
+
+def check_fsdp_run(accelerator) -> None:
+    """Raise unless an FSDP launch became an FSDP2 run of every launched process (the trap
+    :func:`process_state` closes: each process alone, or plain DDP, without a word)."""
+    from accelerate.utils import DistributedType
+
+    if not fsdp_requested():
+        return
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if (accelerator.distributed_type != DistributedType.FSDP or plugin is None or plugin.fsdp_version != 2
+            or accelerator.num_processes != launched_world_size()):
+        raise RuntimeError(
+            f"accelerate launch asked for FSDP2 on {launched_world_size()} processes, but the accelerator runs "
+            f"{accelerator.distributed_type} on {accelerator.num_processes}: the processes would train "
+            "unsynchronised. Build the trainer before any other Accelerator of the script, or report this with "
+            "the accelerate version."
+        )
 
 
 # ---------------------------------------------------------------------- DeepSpeed config

@@ -1,13 +1,15 @@
-"""Short PPO runs meant for `accelerate launch` with 2 CPU processes (see tests/test_distributed.py).
+"""Short PPO runs meant for `accelerate launch` with 2 CPU processes (see tests/test_distributed.py
+and tests/test_fsdp2.py).
 
     ppo_two_process.py OUT MODE [MODE ...]
 
-Runs one short train() per MODE, in the order given, in this one launch (the launch's start-up,
-imports and gloo set-up, is paid once). Each writes `OUT/<MODE>/rank<k>.json` with what the test
-checks: the world size, every logged metric, the optimizer steps and micro-batches per update, a
-parameter checksum, and the mode's own facts. A mode that raises writes `OUT/<MODE>/rank<k>.error`
-(its traceback) and ends the launch there (exit status 1): the other process may be waiting in a
-collective, so no later mode runs.
+Runs one short train() per MODE (tiny_setup.TWO_PROCESS_MODES and DDP_REFERENCE_MODES), in the
+order given, in this one launch (the launch's start-up, imports and gloo set-up, is paid once).
+Each writes `OUT/<MODE>/rank<k>.json` with what the test checks: the world size, every logged
+metric, the optimizer steps and micro-batches per update, a parameter checksum, and the mode's
+own facts. A mode that raises writes `OUT/<MODE>/rank<k>.error` (its traceback) and ends the
+launch there (exit status 1): the other process may be waiting in a collective, so no later mode
+runs.
 """
 
 import gc
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from peft import LoraConfig
+from ppo_fsdp2 import run_layout  # beside this file
 from tiny_setup import (  # beside this file
     TOOL_CALL,
     multiply,
@@ -65,8 +68,12 @@ def main() -> None:
 
 def run_mode(out: Path, mode: str) -> None:
     """One short train() of ``mode`` (separate models unless the mode says otherwise), written
-    to ``out/rank<k>.json``; models, tokenizer and trainer are the mode's own."""
+    to ``out/rank<k>.json``; models, tokenizer and trainer are the mode's own. A ``ddp_<layout>``
+    mode is tests/scripts/ppo_fsdp2.py's run of that layout, under DDP and without checkpoints."""
     tok = build_tiny_tokenizer(pad_equals_eos=True)
+    if mode.startswith("ddp_"):
+        run_layout(tok, mode.removeprefix("ddp_"), out, save=False)
+        return
     policy, ref, value, reward = tiny_models(tok)
     peft = mode == "peft"
     with_eval = mode == "eval"

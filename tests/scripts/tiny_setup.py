@@ -82,6 +82,35 @@ def record_optimizer_steps(trainer):
     return counts
 
 
+# The modes of tests/scripts/ppo_two_process.py's one DDP launch (tests/conftest.py's
+# ``two_process_runs``): tests/test_distributed.py's, then the DDP runs tests/test_fsdp2.py compares
+# FSDP2 with (the layouts of tests/scripts/ppo_fsdp2.py, trained under DDP).
+TWO_PROCESS_MODES = ("separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools")
+DDP_REFERENCE_MODES = ("ddp_separate", "ddp_shared", "ddp_value_adapter")
+
+
+def launch_two_processes(launch_args, script_args, env, timeout=600):
+    """``accelerate launch --num_processes 2 --mixed_precision no <launch_args> <script_args>``
+    from this environment's ``accelerate``, with ``env`` added to this process's environment
+    (offline, one thread per process, this checkout first on ``PYTHONPATH``; a None value removes
+    the variable). A launch past ``timeout`` is killed and returned with exit status None."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    cmd = [accelerate, "launch", *launch_args, "--num_processes", "2", "--mixed_precision", "no", *script_args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(Path(__file__).parents[2]), **env}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    except subprocess.TimeoutExpired as late:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return subprocess.CompletedProcess(late.cmd, None, text(late.stdout), text(late.stderr))
+
+
 def run_and_exit(main) -> None:
     """Run ``main()``, then leave with its exit status without the interpreter's teardown.
 

@@ -43,6 +43,19 @@ def _is_peft(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def _whole(name: str, param: torch.Tensor) -> torch.Tensor:
+    """``param`` detached; a ``ValueError`` for a parameter FSDP2 holds sharded (an engine needs the
+    whole tensor: the trainer gathers the policy for generation unless told not to)."""
+    from ..models.sharding import is_fsdp2_param
+
+    if is_fsdp2_param(param):
+        raise ValueError(
+            f"{name} is sharded by FSDP2 here, and an inference engine needs the policy's whole weights. Keep "
+            "ds3_gather_for_generation=True (the default), which gathers the policy for each rollout."
+        )
+    return param.detach()
+
+
 def policy_weights(policy: nn.Module, adapter: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(checkpoint name, tensor)`` of every weight of the policy, as its checkpoint names them.
 
@@ -57,7 +70,7 @@ def policy_weights(policy: nn.Module, adapter: str | None = None) -> Iterator[tu
     """
     if not _is_peft(policy):
         for name, param in policy.named_parameters():
-            yield name, param.detach()
+            yield name, _whole(name, param)
         return
     if adapter is not None and adapter not in policy.peft_config:
         raise ValueError(f"adapter={adapter!r} is not an adapter of this PeftModel; it has {list(policy.peft_config)}.")
@@ -89,7 +102,7 @@ def _merged(module: nn.Module, prefix: str, adapter: str | None, seen: set) -> I
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            value = param.detach()
+            value = _whole(f"{prefix}{name}", param)
             if name == "weight" and delta is not None:
                 value = (value.float() + delta.detach().float()).to(value.dtype)
             yield f"{prefix}{name}", value
@@ -97,7 +110,7 @@ def _merged(module: nn.Module, prefix: str, adapter: str | None, seen: set) -> I
     for name, param in module.named_parameters(recurse=False):
         if id(param) not in seen:
             seen.add(id(param))
-            yield f"{prefix}{name}", param.detach()
+            yield f"{prefix}{name}", _whole(f"{prefix}{name}", param)
     for name, child in module.named_children():
         yield from _merged(child, f"{prefix}{name}.", adapter, seen)
 

@@ -39,6 +39,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from .fsdp import is_fsdp2_model, unit_class_names
 from .policy_value import (
     disable_checkpointing,
     enable_checkpointing,
@@ -284,6 +285,14 @@ class SharedActorCritic(nn.Module):
             )
         base = self.policy.get_base_model()
         backbone = getattr(base, base.base_model_prefix, None)  # the LM without its head
+        if backbone is not None and is_fsdp2_model(base) and not is_fsdp2_model(backbone):
+            raise NotImplementedError(
+                f"A value adapter under FSDP2 needs the backbone of {type(base).__name__} as an FSDP unit of its "
+                "own (the value pass runs it without the LM head), which a model whose input and output "
+                "embeddings are tied cannot have (FSDP2 keeps a parameter in one unit). Build SharedActorCritic "
+                "with value_lora_config=None (the value head reads the policy's hidden states), or train under "
+                "DDP or DeepSpeed."
+            )
         with self._active_adapter(self.value_adapter):
             if backbone is None:
                 return base(input_ids=input_ids, attention_mask=attention_mask,
@@ -370,6 +379,12 @@ class SharedActorCritic(nn.Module):
         return self.policy.get_base_model().config
 
     @property
+    def _no_split_modules(self) -> list[str]:
+        """The classes FSDP2 makes units of (``models.fsdp.unit_class_names``): the base's
+        transformers class, its backbone (unless the embeddings are tied) and its blocks."""
+        return unit_class_names(self.policy)
+
+    @property
     def is_gradient_checkpointing(self) -> bool:
         """Whether any layer of the base model checkpoints activations."""
         return is_checkpointing(self.policy.get_base_model())
@@ -416,23 +431,33 @@ class SharedActorCritic(nn.Module):
 
     # ----------------------------------------------------------- save / load
 
-    def save_pretrained(self, output_dir: str | os.PathLike) -> None:
+    def save_pretrained(self, output_dir: str | os.PathLike, state_dict: dict | None = None) -> None:
         """Write the adapter(s) (peft layout: policy adapter at the top, the value adapter in
         ``value/``) and the value head (``value_head.safetensors`` + ``value_head_config.json``).
 
         ``peft.PeftModel.from_pretrained(base, output_dir)`` loads the policy alone;
         :meth:`from_pretrained` restores everything.
+
+        ``state_dict``: the values to write, keyed as this module's ``state_dict`` (the adapters'
+        and the value head's at least), instead of the module's own: a sharded model's full
+        values (``models.fsdp.full_state_dict``).
         """
         from safetensors.torch import save_file
 
         os.makedirs(output_dir, exist_ok=True)
-        self.policy.save_pretrained(output_dir)
+        if state_dict is None:
+            self.policy.save_pretrained(output_dir)
+        else:
+            self.policy.save_pretrained(output_dir, state_dict={
+                k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")})
         if self.value_head is None:  # no critic: the adapter, and a config that says so
             with open(os.path.join(output_dir, VALUE_HEAD_CONFIG), "w") as f:
                 json.dump({"with_value": False, "policy_adapter": self.policy_adapter, "value_adapter": None}, f,
                           indent=2)
             return
-        state = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
+        head = self.value_head.state_dict() if state_dict is None else {
+            k.removeprefix("value_head."): v for k, v in state_dict.items() if k.startswith("value_head.")}
+        state = {k: v.detach().cpu().contiguous() for k, v in head.items()}
         save_file(state, os.path.join(output_dir, VALUE_HEAD_WEIGHTS))
         meta = {
             "hidden_size": self.value_head.in_features,

@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch import nn
 
+from .fsdp import unit_class_names
 from .sharding import is_zero3_param
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,12 @@ class PolicyAndValue(nn.Module):
     @property
     def config(self):
         return self.policy.config
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The classes FSDP2 makes units of (``models.fsdp.unit_class_names``): the policy's
+        transformers class, and the backbones and blocks of the policy and the value model."""
+        return unit_class_names(self.policy, self.value_model)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0, **kwargs):
         """``(logits (B, k, V), values (B, k))`` for the last ``k = logits_to_keep`` positions (0: all);

@@ -1,6 +1,8 @@
-"""Parameters sharded by DeepSpeed ZeRO: which are, a context holding their full values, a full
-copy of a state, and the ZeRO stage of a run. The models, the checkpoints and the trainer all
-read these; nothing here imports DeepSpeed unless a parameter is sharded.
+"""Parameters sharded by DeepSpeed ZeRO-3 or by FSDP2: which are, a context holding ZeRO-3's full
+values, a full copy of a state, writing a full value back into a sharded parameter, and the ZeRO
+stage of a run. The models, the checkpoints and the trainer all read these; nothing here imports
+DeepSpeed unless a parameter is sharded. (FSDP2's units, generation and optimizer state:
+:mod:`trl_ppo_ext.models.fsdp`.)
 
 Example:
 
@@ -32,6 +34,17 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def is_fsdp2_param(param: torch.Tensor) -> bool:
+    """A parameter sharded by FSDP2 (``fully_shard``): a ``DTensor`` holding this process's rows."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor  # public from torch 2.5
+    except ImportError:
+        return False
+    return isinstance(param, DTensor)
+
+
 def gathered(params):
     """Context in which ZeRO-3-partitioned ``params`` hold their full values on every process
     (a collective: every process must enter it). A no-op for ordinary parameters."""
@@ -44,12 +57,26 @@ def gathered(params):
 
 
 def full_state(named_params, keep: bool) -> dict[str, torch.Tensor]:
-    """``{name: CPU copy}`` of ``named_params``, gathered one at a time under ZeRO-3 (so no
-    process ever holds more than one extra full parameter). Every process must call it;
-    those with ``keep=False`` get an empty dict."""
+    """``{name: CPU copy}`` of ``named_params``, gathered one at a time under ZeRO-3 or FSDP2 (so
+    no process ever holds more than one extra full parameter). Every process must call it, with
+    the parameters in the same order; those with ``keep=False`` get an empty dict."""
     out = {}
     for name, param in named_params:
         with gathered([param]):
+            value = param.full_tensor() if is_fsdp2_param(param) else param  # FSDP2: an all-gather
             if keep:
-                out[name] = param.detach().cpu().clone()
+                out[name] = value.detach().cpu().clone()
     return out
+
+
+@torch.no_grad()
+def load_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write the full ``value`` (what :func:`full_state` saved) into ``param``: all of it, or
+    under FSDP2 this process's rows of it (every process holds the whole ``value``, so nothing
+    is communicated). Not for ZeRO-3 parameters (DeepSpeed loads its own checkpoint)."""
+    if is_fsdp2_param(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None)
+    param.copy_(value.to(param.device))

@@ -6,8 +6,9 @@ RNG streams, preempted checkpoints and ``save_model``.
 - the inference export of ``save_model`` (policy or adapter, value head when shared);
 - ``trainable_state.pt``: every trainable parameter of the policy/value module (exact;
   gathered from the shards under ZeRO-3);
-- ``optimizer.pt``, or under DeepSpeed ``deepspeed/``: DeepSpeed's own checkpoint, whose
-  optimizer state (and fp32 master weights) each process writes for its shard; ``scheduler.pt``;
+- ``optimizer.pt`` (gathered from the shards under FSDP2: the same file as without), or under
+  DeepSpeed ``deepspeed/``: DeepSpeed's own checkpoint, whose optimizer state (and fp32 master
+  weights) each process writes for its shard; ``scheduler.pt``;
 - ``ppo_state.json``: KL controller, guard counters, the run's counters
   (``run_state.RunCounters``: data cursor, skipped steps...), the number of processes and
   the optimizer's format;
@@ -74,8 +75,9 @@ from pathlib import Path
 import torch
 
 from .._utils import TEMP_PREFIX, fsync_dir, load_json, save_json  # noqa: F401  save_json: public here too
+from ..models import fsdp
 from ..models.prepare import config_values
-from ..models.sharding import full_state, gathered, zero_stage
+from ..models.sharding import full_state, gathered, load_full_value, zero_stage
 from .preemption import PREEMPTED, InflightUpdate, inflight_filename
 
 logger = logging.getLogger(__name__)
@@ -511,6 +513,8 @@ class CheckpointMixin:
         is_main = self.accelerator.is_main_process
         unwrapped = self.accelerator.unwrap_model(self.model)
         trainable = full_state(((k, v) for k, v in unwrapped.named_parameters() if v.requires_grad), keep=is_main)
+        fsdp2 = fsdp.is_fsdp2_model(self.model)
+        optimizer_state = fsdp.full_optimizer_state(self.optimizer, keep=is_main) if fsdp2 else None  # a gather
         if self.is_deepspeed_enabled:
             self.model.save_checkpoint(directory, tag=DEEPSPEED_STATE, save_latest=False,
                                        exclude_frozen_parameters=True)
@@ -518,7 +522,7 @@ class CheckpointMixin:
             return
         torch.save(trainable, os.path.join(directory, TRAINABLE_STATE))
         if not self.is_deepspeed_enabled:
-            torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
+            torch.save(optimizer_state if fsdp2 else self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
         torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER))
         save_json(os.path.join(directory, PPO_STATE), {
             "kl_controller": self.kl_controller.state_dict(),
@@ -565,6 +569,8 @@ class CheckpointMixin:
             ) from err
         exact = self._check_resume_topology(path, ppo_state)
         unwrapped = self.accelerator.unwrap_model(self.model)
+        for unit in fsdp.fsdp2_units(unwrapped):  # FSDP2: the sharded parameters, the optimizer's own
+            unit.reshard()
         params = dict(unwrapped.named_parameters())
         missing = [k for k, p in params.items() if p.requires_grad and k not in trainable]
         if missing:
@@ -575,10 +581,12 @@ class CheckpointMixin:
         if self.is_deepspeed_enabled:
             self._load_deepspeed_state(path)  # weights (with fp32 masters) and optimizer shards
         else:
-            with torch.no_grad():
-                for name, value in trainable.items():
-                    params[name].copy_(value.to(params[name].device))
-            self.optimizer.load_state_dict(optimizer_state)
+            for name, value in trainable.items():
+                load_full_value(params[name], value)  # FSDP2: this process's rows
+            if fsdp.is_fsdp2_model(self.model):  # this process's rows of every moment
+                fsdp.load_full_optimizer_state(self.optimizer, optimizer_state)
+            else:
+                self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(scheduler_state)
         self.kl_controller.load_state_dict(ppo_state["kl_controller"])
         self.guards.load_state_dict(ppo_state["guards"])
@@ -698,6 +706,8 @@ class CheckpointMixin:
         unwrapped = self.unwrapped
         if self.is_deepspeed_enabled:
             return self._save_model_deepspeed(output_dir, _internal_call)
+        if fsdp.is_fsdp2_model(self.model):
+            return self._save_model_fsdp2(output_dir, _internal_call)
         if getattr(unwrapped, "is_actor_critic", False):
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
@@ -730,6 +740,29 @@ class CheckpointMixin:
                 target.save_pretrained(output_dir)
                 self.processing_class.save_pretrained(output_dir)
                 torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_model_fsdp2(self, output_dir: str, _internal_call: bool) -> None:
+        """``save_model`` under FSDP2: the saved weights (the adapter and value head of a LoRA model,
+        the whole policy of a full fine-tune) gathered one tensor at a time by every process, written
+        by the main process from that full state dict (the modules' own state dicts stay sharded)."""
+        unwrapped = self.unwrapped
+        shared = getattr(unwrapped, "is_actor_critic", False)
+        prefix = "" if shared else "policy."
+        target = unwrapped if shared else unwrapped.policy
+        trainable = {prefix + name for name, p in target.named_parameters() if p.requires_grad}
+        keys = [k for k in unwrapped.state_dict() if k.startswith(prefix)]
+        if shared or self.is_peft_model:  # an adapter export reads only the trained tensors
+            keys = [k for k in keys if k in trainable]
+        self.accelerator.wait_for_everyone()
+        state = fsdp.full_state_dict(unwrapped, keep=self.args.should_save, names=set(keys))
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            target.save_pretrained(output_dir, state_dict={k[len(prefix):]: v for k, v in state.items()})
+            self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

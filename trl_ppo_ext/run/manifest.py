@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .._utils import load_json, save_json
+from ..models.sharding import is_fsdp2_param
 
 MANIFEST_FILENAME = "run_manifest.json"
 FORMAT_VERSION = 1
@@ -112,7 +113,9 @@ def content_hash(
     Values: all bytes when the parameters take at most ``full_hash_max_bytes``; else
     ``samples_per_tensor`` evenly strided elements of each parameter (``flat[::stride]``),
     so a change to an unsampled element of a big model goes unnoticed. ``method`` says which.
-    Parameters on the ``meta`` device contribute only their name, shape and dtype.
+    Parameters on the ``meta`` device contribute only their name, shape and dtype; a parameter
+    sharded by FSDP2 its name, full shape and dtype and the values of this process's shard (the
+    manifest is written by the main process alone, which cannot gather).
     """
     params = list(model.named_parameters())
     total_bytes = sum(p.numel() * p.element_size() for _, p in params)
@@ -135,6 +138,8 @@ def _value_bytes(param: torch.Tensor, sample: int | None) -> bytes:
     """The raw bytes of ``param``'s values (all, or ``sample`` strided ones), device independent."""
     if param.is_meta:
         return b"meta"
+    if is_fsdp2_param(param):
+        param = param.to_local()
     flat = param.detach().reshape(-1)
     if sample is not None and flat.numel() > sample:
         flat = flat[:: math.ceil(flat.numel() / sample)]
