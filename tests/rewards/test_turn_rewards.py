@@ -5,6 +5,7 @@ value is by hand."""
 
 import math
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,13 @@ from trl_ppo_ext import functional as F
 from trl_ppo_ext.advantages import compute_targets
 from trl_ppo_ext.estimators import estimator_targets
 from trl_ppo_ext.rewards.scoring import (
-    Reward, TurnRewards, evaluate_rewards, evaluate_rewards_per_token, is_token_level, token_rewards, turn_positions,
+    Reward,
+    TurnRewards,
+    evaluate_rewards,
+    evaluate_rewards_per_token,
+    is_token_level,
+    token_rewards,
+    turn_positions,
 )
 from trl_ppo_ext.rollout import Rollout
 
@@ -155,8 +162,7 @@ def test_missing_eos_penalty_stays_on_the_score_at_the_last_turn():
 
 def test_an_unscorable_row_keeps_advantage_zero():
     placed, applies = token_rewards([None], RESPONSE, "env", ACTION)
-    rollout = _episode(placed)
-    rollout.reward_applies = applies[:, None]
+    rollout = replace(_episode(placed), reward_applies=applies[:, None])
     t = compute_targets(rollout, missing_eos_penalty=None, **GAE)
     assert t.advantages.eq(0).all()
 
@@ -168,12 +174,7 @@ def test_critic_free_estimators_read_the_sum(estimator):
                               RESPONSE.expand(2, 8), "env", ACTION.expand(2, 8))
     settings = dict(GAE, kl_coef=0.0, missing_eos_penalty=None, advantage_estimator=estimator, num_generations=2)
     turns = estimator_targets(_episode(placed, rows=2), **settings)
-    summed = estimator_targets(replace_scores(_episode(None, rows=2), [1.25, 0.0]), **settings)
+    summed = estimator_targets(replace(_episode(None, rows=2), scores=torch.tensor([1.25, 0.0])), **settings)
     torch.testing.assert_close(turns.advantages, summed.advantages, rtol=0, atol=1e-6)
     if estimator == "rloo":  # leave-one-out: 1.25 - 0 and 0 - 1.25 on every action token
         assert turns.advantages[:, 0].tolist() == [1.25, -1.25] and turns.advantages[:, 2].eq(0).all()
-
-
-def replace_scores(rollout, scores):
-    rollout.scores = torch.tensor(scores)
-    return rollout

@@ -132,9 +132,9 @@ class AgentRollout:
             tools = [self.tools + self.environments.tools_of[name] for name in batch.names]
             dicts = [tool_dict(self.tools, environment_methods(env)) for env in environments]
         result = run_tool_loop(
-            prompts, self.processing_class, _telling_turns(generate, environments), response_length=self.response_length, tools=tools,
-            tool_dicts=dicts, executor=self.executor, chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
+            prompts, self.processing_class, _telling_turns(generate, environments),
+            response_length=self.response_length, tools=tools, tool_dicts=dicts, executor=self.executor,
+            chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
             max_tool_calling_iterations=self.max_tool_calling_iterations, max_model_len=self.max_model_len)
         self.last_stats = result.stats
         if environments is not None:
