@@ -4,8 +4,9 @@
 ``gem.make("game:GuessTheNumber-v0-easy")``: a number between 1 and 10, four turns. Each turn the
 model calls ``guess(number)``; the tool writes GEM's action (``\\boxed{n}``), steps the game and
 returns its reply ("... the target number is higher than 5."). GEM pays a reward per step: 1.0 for
-the right number, 0.0 for a hint, -0.1 for a move without a number. The trainer takes one reward
-per episode: the class's ``get_reward()``, the sum of the steps (here 1.0 for a win, else 0.0).
+the right number, 0.0 for a hint, -0.1 for a move without a number. The class's ``get_reward()``
+gives them per turn: each step's reward on the last token of the turn that called it; its sum,
+the episode's return, is what ``rewards/GemGuessTheNumber/mean`` logs (here 1.0 for a win, else 0.0).
 
 ``reset(**row)`` seeds ``env.reset(seed=row["seed"])``, so the ``num_generations`` samples of a row
 play the same number. GEM's ``reset(seed=)`` reseeds Python's and NumPy's global generators

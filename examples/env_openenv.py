@@ -9,8 +9,9 @@ needs no server: here ``GuessTheNumber`` is written as an OpenEnv environment au
 tool, ``guess(number)``. With a deployed environment, ``make`` returns its client instead, whose
 ``step`` returns a ``StepResult``: write that class by hand, as ``env_textarena.py`` does.
 
-Rewards per step: -0.1 for each wrong guess, 1.0 for the right one; the trainer takes their sum
-(``get_reward()``): 1.0 - 0.1 * (wrong guesses) for a win, -0.1 * (wrong guesses) otherwise.
+Rewards per step: -0.1 for each wrong guess, 1.0 for the right one; ``get_reward()`` gives them
+per turn (each on the last token of the turn whose guess it paid), and their sum is the episode's
+return: 1.0 - 0.1 * (wrong guesses) for a win, -0.1 * (wrong guesses) otherwise.
 The target is drawn from ``random.Random(seed)``: the row's ``seed`` column makes the samples of
 a prompt play the same number.
 

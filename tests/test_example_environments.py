@@ -82,7 +82,8 @@ def snapshot(env, **extra) -> dict:
     """What an episode's environment holds when the trainer scores it (the instances are reused
     by the next update, so they are read at once)."""
     return {"id": id(env), "seed": env.seed, "done": env.done, "reward": env.get_reward(),
-            "rewards": list(getattr(env, "rewards", [])), **extra}
+            "rewards": list(getattr(env, "rewards", [])), "step_turns": list(getattr(env, "step_turns", [])),
+            **extra}
 
 
 def train_two_updates(tmp_path, wiring, seeds, low, high, read=snapshot):
@@ -130,9 +131,10 @@ def test_gem_guess_the_number_trains_and_its_step_rewards_are_the_reward(tmp_pat
     assert by_seed(logs, played, "GemGuessTheNumber") == {9: (1.0, 2.0), 0: (0.0, 3.0)}
     episodes = {envs[0]["seed"]: envs[0] for envs in played}
     assert episodes[9] | {"id": 0} == {"id": 0, "seed": 9, "number": 8, "rewards": [0.0, 1.0], "reward": 1.0,
-                                       "done": True}
+                                       "done": True, "step_turns": [0, 1]}
     assert episodes[0] | {"id": 0} == {"id": 0, "seed": 0, "number": 7, "rewards": [0.0, 0.0, 0.0], "reward": 0.0,
-                                       "done": False}
+                                       "done": False, "step_turns": [0, 1, 2]}  # the 4th call: past the cap, not run
+    assert episodes[9]["reward"].turns == (0.0, 1.0)  # per turn: the win on the turn that guessed 8
     assert all(log["tools/failure_frequency"] == 0.0 for log in logs)
 
 
@@ -151,6 +153,8 @@ def test_openenv_environment_trains_and_the_sum_of_its_step_rewards_is_the_rewar
     episodes = {envs[0]["seed"]: envs[0] for envs in played}
     assert (episodes[1]["target"], episodes[1]["rewards"], episodes[1]["done"]) == (3, [-0.1, -0.1, 1.0], True)
     assert (episodes[9]["target"], episodes[9]["rewards"], episodes[9]["done"]) == (8, [-0.1, 1.0], True)
+    # per turn: each guess's reward on the turn that made it
+    assert episodes[1]["reward"].turns == (-0.1, -0.1, 1.0) and episodes[9]["reward"].turns == (-0.1, 1.0)
 
 
 @pytest.mark.slow

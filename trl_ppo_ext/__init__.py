@@ -30,6 +30,7 @@ _LAZY = {
     "ProcessRewardModel": ".rewards.process",
     "remote_reward": ".rewards.remote",
     "RemoteRewardError": ".rewards.remote",
+    "TurnRewards": ".rewards.scoring",
     "render_prompts": ".data",
     "functional": None,
 }

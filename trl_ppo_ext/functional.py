@@ -47,6 +47,7 @@ __all__ = [
     "masked_entropy",
     "masked_explained_variance",
     "action_lengths",
+    "turn_ends",
     "check_rewards_on_actions",
     "action_masked_gae",
     "action_masked_gae_decoupled",
@@ -1114,6 +1115,36 @@ def action_lengths(action_mask: torch.Tensor) -> torch.Tensor:
     if action_mask.dim() != 2:
         raise ValueError(f"action_mask must have shape (B, T), got {tuple(action_mask.shape)}")
     return action_mask.sum(dim=1)
+
+
+def turn_ends(action_mask: torch.Tensor) -> torch.Tensor:
+    """The last token of every model turn: each run of True in ``action_mask`` is one turn.
+
+    In an episode with turns the policy's tokens come in runs separated by environment tokens
+    (a tool's reply); a per-turn reward lands on the last token of its run.
+
+    Args:
+        action_mask: bool (B, T), True = the policy sampled this token.
+
+    Returns:
+        bool (B, T): True where ``action_mask[b, t]`` is True and ``action_mask[b, t + 1]`` is
+        False (or ``t`` is the last column).
+
+    Equivalent loop::
+
+        for b, t: ends[b, t] = mask[b, t] and (t == T - 1 or not mask[b, t + 1])
+
+    Example:
+        >>> turn_ends(torch.tensor([[True, True, False, True, False], [True, True, True, True, True]]))
+        tensor([[False,  True, False,  True, False],
+                [False, False, False, False,  True]])
+    """
+    _check_mask(action_mask, "action_mask")
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must have shape (B, T), got {tuple(action_mask.shape)}")
+    following = torch.zeros_like(action_mask)
+    following[:, :-1] = action_mask[:, 1:]
+    return action_mask & ~following
 
 
 def check_rewards_on_actions(

@@ -3,12 +3,15 @@ tool and schema, reset(**row) seeding from the row, step rewards kept and summed
 episode, and the class through Environments and the tool executor. Hand-written environments stand
 in for the packages (tests/test_example_environments.py runs the packages themselves)."""
 
+import json
+
 import pytest
 from transformers.utils import get_json_schema
 
 from trl_ppo_ext.agents.adapters import gym_environment, observation_fields, openenv_environment
 from trl_ppo_ext.agents.environments import Environments
 from trl_ppo_ext.agents.tools import ToolExecutor, tool_dict
+from trl_ppo_ext.rewards.scoring import TurnRewards
 
 
 class Steps:
@@ -151,3 +154,61 @@ def test_names_the_trainer_could_not_offer_are_refused(kwargs, message):
 def test_make_must_be_callable():
     with pytest.raises(TypeError, match="make must be a callable"):
         gym_environment(Steps(), tool="move", description="Move.")
+
+
+# ---------------------------------------------------------------- per-turn rewards
+def test_steps_are_booked_on_the_turn_that_called_them():
+    env = steps_env()()
+    env.reset(seed=0)
+    env.turn = 0
+    env.move("a"), env.move("b")  # two calls in one turn: 0.5 and -0.25
+    env.turn = 2  # turn 1 made no step (a bad call, a standalone tool, or no call)
+    env.move("c")  # 1.0, terminated
+    assert env.step_turns == [0, 0, 2] and env.rewards == [0.5, -0.25, 1.0]
+    reward = env.get_reward()
+    assert isinstance(reward, TurnRewards) and reward.turns == (0.25, 0.0, 1.0) and reward == 1.25
+    other = steps_env()()
+    other.reset(seed=0)  # outside the trainer's tool loop (TRL GRPO): the turn is unknown, one step per turn
+    other.move("a"), other.move("b")
+    assert other.turn is None and other.get_reward().turns == (0.5, -0.25) and other.get_reward() == 0.25
+
+
+def test_the_tool_loop_tells_each_adapter_its_turns_and_the_rewards_land_on_them(chat_tok, scripted):
+    from trl_ppo_ext.agents.rollout_func import AgentRollout
+    from trl_ppo_ext.episodes import pad_episodes, rollout_outputs
+    from trl_ppo_ext.rewards.scoring import token_rewards
+
+    def call(**arguments):
+        return '<tool_call>\n{"name": "move", "arguments": %s}\n</tool_call>' % json.dumps(arguments)
+
+    rollout = AgentRollout(chat_tok, environment_factory=steps_env(), response_length=600,
+                           chat_template_kwargs={"enable_thinking": False})
+    rows = [{"prompt": [{"role": "user", "content": "Q0"}], "seed": 1},
+            {"prompt": [{"role": "user", "content": "Q1"}], "seed": 1}]
+    generate = scripted(chat_tok, {
+        # turn 0: two calls (steps 1 and 2); turn 1: a bad call (no step); turn 2: step 3 (terminated); turn 3: answer
+        "Q0": [call(direction="n") + "\n" + call(direction="e") + "<|im_end|>",
+               call(where="s") + "<|im_end|>", call(direction="s") + "<|im_end|>", "Done.<|im_end|>"],
+        "Q1": ["No moves.<|im_end|>"]})  # one turn, no step
+    out = rollout(rows, generate)
+    first, second = out["environments"]
+    assert first.step_turns == [0, 0, 2] and first.rewards == [0.5, -0.25, 1.0] and second.rewards == []
+    (reward,) = rollout.reward_functions()
+    got = reward(environments=out["environments"])
+    assert [r.turns for r in got] == [(0.25, 0.0, 1.0), ()] and got == [1.25, 0.0]
+    # on the padded episode: 0.25 at the end of turn 0, 1.0 at the end of turn 2, nothing elsewhere
+    _, response_mask, action_mask, _ = pad_episodes(rollout_outputs(out, 2, 600), chat_tok.pad_token_id)
+    placed, applies = token_rewards(got, response_mask, "MoveEnvironment", action_mask)
+    runs = [[], []]  # an independent reading of the turns: (start, end) of each run of action tokens
+    for b in range(2):
+        row = action_mask[b].tolist()
+        for t, on in enumerate(row):
+            if on and (t == 0 or not row[t - 1]):
+                runs[b].append([t, t])
+            if on:
+                runs[b][-1][1] = t
+    assert len(runs[0]) == 4 and len(runs[1]) == 1
+    ends = [end for _, end in runs[0]]
+    assert placed[0].nonzero().flatten().tolist() == [ends[0], ends[2]]
+    assert placed[0, ends[0]] == 0.25 and placed[0, ends[2]] == 1.0
+    assert placed[1].eq(0).all() and applies.tolist() == [True, True]

@@ -228,3 +228,29 @@ def test_a_retired_instance_leaves_the_pool_and_is_replaced_when_needed():
     assert envs.pool[None] == []
     (second,) = envs.start_batch(rows(2)).environments
     assert second is not first and len(made) == 2
+
+
+def test_a_get_reward_list_is_one_reward_per_turn_and_a_number_stays_a_number():
+    from trl_ppo_ext.rewards.scoring import TurnRewards
+
+    class Turns:
+        def reset(self, **row):
+            return None
+
+        def get_reward(self):
+            return [0.0, 1.0]  # an environment cannot name tokens: a list is per turn
+
+    class Episode:
+        def reset(self, **row):
+            return None
+
+        def get_reward(self):
+            return 2.0  # TRL GRPO's one reward per episode, unchanged
+
+    envs = Environments({"turns": Turns, "episode": Episode})
+    batch = envs.start_batch([{"environment": "turns"}, {"environment": "episode"}])
+    turns, episode = envs.reward_functions()
+    got = turns(environments=batch.environments)
+    assert isinstance(got[0], TurnRewards) and got[0].turns == (0.0, 1.0) and got[1] is None
+    assert episode(environments=batch.environments) == [None, 2.0]
+    assert type(episode(environments=batch.environments)[1]) is float

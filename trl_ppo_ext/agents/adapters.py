@@ -19,9 +19,13 @@ Two episode APIs are common among environment packages, and both run in-process:
 - expose one tool, named and documented by the caller (TRL's docs: a model learns a
   ``guess(number)`` better than a generic ``step(action)``), whose one argument goes through
   ``to_action`` to ``step``; the tool's reply is the observation's text;
-- keep each step's reward in ``rewards`` and return their sum from ``get_reward()``: the trainer
-  scores an episode with one number, the environment's return (undiscounted), as the reward of
-  weight 1 named after the class (``rewards/<name>/mean``). Per-turn rewards are not passed on;
+- keep each step's reward in ``rewards`` and the model turn that called the step in
+  ``step_turns``; ``get_reward()`` returns them as per-turn rewards (a ``TurnRewards``: the
+  rewards of the steps each turn called, summed per turn), the reward of weight 1 named after the
+  class (``rewards/<name>/mean``, the episode's undiscounted return). Each lands on the last
+  token of the turn that called the step, and GAE carries it back from there; whatever reads a
+  number (TRL GRPO, the critic-free estimators) reads the sum. The trainer's tool loop says which
+  turn runs (``turn``); without it (TRL GRPO) each step counts as its own turn;
 - refuse a step after the episode ended (``terminated`` or ``truncated``; ``done``) with an
   error, which the tool loop returns to the model as the tool's result, as TRL's Wordle example
   does.
@@ -41,7 +45,9 @@ Example (a two-step gym-style environment, written here):
 >>> env.reset(prompt=[{"role": "user", "content": "Count down."}], seed=2)
 '\\n\\n2 to go.'
 >>> env.tick("a"), env.tick("b"), env.rewards, env.get_reward(), env.done
-('1 to go.', '0 to go.', [0.5, 0.5], 1.0, True)
+('1 to go.', '0 to go.', [0.5, 0.5], TurnRewards([0.5, 0.5]), True)
+>>> float(env.get_reward())
+1.0
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ import inspect
 import json
 from collections.abc import Callable
 from typing import Any
+
+from ..rewards.scoring import TurnRewards
 
 __all__ = ["StepEnvironment", "gym_environment", "observation_fields", "openenv_environment"]
 
@@ -63,6 +71,10 @@ class StepEnvironment:
         environment: the wrapped environment, built once per instance.
         seed: the seed the episode started from (None: the environment's own draw).
         rewards: each step's reward, in order (a step without one: 0.0).
+        step_turns: the model turn (0 = the first) whose tool call ran each step, in order.
+        turn: the model turn whose tool calls run now, set by the trainer's tool loop
+            (`AgentRollout`) before each turn is generated; None: unknown, and each step counts
+            as its own turn (step ``i`` on turn ``i``).
         done: whether the episode has ended; a step after it raises.
         observations: the text of each observation, the first one (``reset``) included.
     """
@@ -80,6 +92,8 @@ class StepEnvironment:
         seed = row.get(self.seed_column)
         self.seed = None if seed is None else int(seed)
         self.rewards: list[float] = []
+        self.step_turns: list[int] = []
+        self.turn: int | None = None
         self.done = False
         text = self._render(self._reset_env(self.seed))
         self.observations = [text]
@@ -87,15 +101,27 @@ class StepEnvironment:
         has_text = isinstance(prompt, list) and bool(prompt) and bool(prompt[-1].get("content"))
         return f"\n\n{text}" if has_text else text
 
-    def get_reward(self) -> float:
-        """The episode's return: the sum of its step rewards (0.0 before any step)."""
-        return float(sum(self.rewards))
+    def get_reward(self) -> TurnRewards:
+        """The step rewards per model turn: entry ``t`` sums the rewards of the steps turn ``t``
+        called (0.0 for a turn that called none), up to the last turn with a step; its value as a
+        float is the episode's return (0.0 before any step).
+
+        Equivalent loop::
+
+            for reward, t in zip(rewards, step_turns): per_turn[t] += reward
+        """
+        per_turn = [0.0] * (max(self.step_turns, default=-1) + 1)
+        for reward, turn in zip(self.rewards, self.step_turns):
+            per_turn[turn] += reward
+        return TurnRewards(per_turn)
 
     def _act(self, value) -> str:
         if self.done:
             raise ValueError(f"The episode is over (after {len(self.rewards)} steps): make no more calls.")
         observation, reward, self.done = self._step_env(self._to_action(value))
         self.rewards.append(0.0 if reward is None else float(reward))
+        # the turn that called this step; unknown (outside this package's tool loop): one turn per step
+        self.step_turns.append(len(self.step_turns) if self.turn is None else self.turn)
         text = self._render(observation)
         self.observations.append(text)
         return text
@@ -169,7 +195,7 @@ def _environment_class(base: type, make: Callable, *, tool: str, description: st
         "seed_column": seed_column,
         tool: _tool_method(tool, description, argument, argument_description, argument_type),
         "__doc__": f"{description} (an environment_factory class: one tool, {tool}({argument}); "
-                   f"get_reward() is the episode's return).",
+                   f"get_reward() is the step rewards per model turn, summing to the episode's return).",
     }
     if to_action is not None:
         namespace["_to_action"] = staticmethod(to_action)
@@ -202,7 +228,8 @@ def gym_environment(make: Callable[[], Any], *, tool: str, description: str, arg
 
     Returns:
         A class for ``environment_factory=``: ``reset(**row)``, the tool, ``get_reward()`` (the
-        sum of the step rewards) and the attributes of `StepEnvironment`.
+        step rewards per model turn, a ``TurnRewards`` whose float value is their sum) and the
+        attributes of `StepEnvironment`.
 
     Raises:
         ValueError: ``tool`` not a public name (or ``reset`` / ``get_reward``), ``argument`` not a name.

@@ -20,6 +20,11 @@ is a callable returning one, or a dict ``{name: factory}`` that each dataset row
   ``rewards/<EnvClass>/mean``; it scores the rollouts of exactly that class (``type(env) is``)
   and returns None for the others. Reward functions receive the instances as
   ``environments=``, one per completion, in order.
+- ``get_reward`` returns a number (TRL GRPO's one reward per episode, on its last model token)
+  or, ours, one reward per model turn: a list (or ``TurnRewards``), whose ``i``-th value lands on
+  the last token of the episode's ``i``-th model turn (``rewards.scoring.TurnRewards``; an
+  environment cannot name tokens, so a list here always means turns). TRL GRPO would refuse a
+  list; a ``TurnRewards`` it reads as the sum.
 - A rollout with a tool call that ran out of ``tool_timeout`` is unscorable for these rewards:
   the abandoned thread may still change its environment after the model was told the call
   timed out, so ``get_reward`` is not called and the reward is None there (the rollout's
@@ -58,9 +63,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..rewards.scoring import TurnRewards
 from .tools import is_async_tool
 
-__all__ = ["EnvironmentBatch", "Environments", "environment_methods"]
+__all__ = ["EnvironmentBatch", "Environments", "environment_methods", "per_turn"]
 
 _HOOKS = ("reset", "get_reward")
 ENVIRONMENT_COLUMN = "environment"  # the dataset column a dict factory routes on
@@ -240,14 +246,24 @@ def _judged(environments, tool_timed_out) -> list[bool]:
     return [not timed_out for timed_out in (tool_timed_out or [False] * len(environments))]
 
 
+def per_turn(value):
+    """``get_reward``'s value as the trainer reads it: a list or tuple is one reward per model
+    turn (`TurnRewards`); anything else (a number, None, a ``TurnRewards``) as it is.
+
+    >>> per_turn([0.0, 1.0]), per_turn(1.0)
+    (TurnRewards([0.0, 1.0]), 1.0)
+    """
+    return TurnRewards(value) if isinstance(value, (list, tuple)) else value
+
+
 def _reward_function(cls: type) -> Callable:
     if is_async_tool(cls.get_reward):
         async def reward(environments, tool_timed_out=None, **kwargs):
-            return [await env.get_reward() if type(env) is cls and judged else None
+            return [per_turn(await env.get_reward()) if type(env) is cls and judged else None
                     for env, judged in zip(environments, _judged(environments, tool_timed_out))]
     else:
         def reward(environments, tool_timed_out=None, **kwargs):
-            return [env.get_reward() if type(env) is cls and judged else None
+            return [per_turn(env.get_reward()) if type(env) is cls and judged else None
                     for env, judged in zip(environments, _judged(environments, tool_timed_out))]
     reward.__name__ = reward.__qualname__ = cls.__name__
     reward.__doc__ = (f"{cls.__name__}.get_reward() of each rollout's environment (None for other classes, and for "

@@ -44,6 +44,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
+from .adapters import StepEnvironment
 from .environments import TIMED_OUT_COLUMN, Environments, environment_methods
 from .support import check_tool_support
 from .tool_loop import Generate, ToolLoopStats, run_tool_loop
@@ -131,9 +132,9 @@ class AgentRollout:
             tools = [self.tools + self.environments.tools_of[name] for name in batch.names]
             dicts = [tool_dict(self.tools, environment_methods(env)) for env in environments]
         result = run_tool_loop(
-            prompts, self.processing_class, generate, response_length=self.response_length, tools=tools,
-            tool_dicts=dicts, executor=self.executor, chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
+            prompts, self.processing_class, _telling_turns(generate, environments),
+            response_length=self.response_length, tools=tools, tool_dicts=dicts, executor=self.executor,
+            chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
             max_tool_calling_iterations=self.max_tool_calling_iterations, max_model_len=self.max_model_len)
         self.last_stats = result.stats
         if environments is not None:
@@ -158,3 +159,27 @@ class AgentRollout:
     def close(self) -> None:
         """Stop the tool event loop (a daemon thread; optional at exit)."""
         self.executor.close()
+
+
+def _telling_turns(generate: Generate, environments: Sequence | None) -> Generate:
+    """``generate`` that first tells each adapter environment (`adapters.StepEnvironment`) which
+    model turn is about to be generated, so that its steps are booked on the turn that called them.
+
+    The tool loop's ``k``-th call of ``generate`` (from 0) generates turn ``k`` of every row it
+    continues, and the tool calls run before call ``k + 1`` are those of turn ``k``: every row
+    still in the loop has had exactly the same number of turns. Setting ``turn`` on a row that has
+    left the loop changes nothing: it runs no more steps.
+    """
+    adapters = [env for env in environments or () if isinstance(env, StepEnvironment)]
+    if not adapters:
+        return generate
+    calls = 0
+
+    def turn_generate(prefixes, max_new_tokens):
+        nonlocal calls
+        for environment in adapters:
+            environment.turn = calls
+        calls += 1
+        return generate(prefixes, max_new_tokens)
+
+    return turn_generate

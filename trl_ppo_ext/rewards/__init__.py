@@ -2,7 +2,8 @@
 services and process reward models, with what they report beside their rewards.
 
 ``scoring``  rewards built from ``reward_model`` + ``reward_funcs`` and evaluated per rollout
-             (weights, ``None`` = "does not apply", per-token rewards, the PRM step reading)
+             (weights, ``None`` = "does not apply", per-token and per-turn rewards, the PRM step
+             reading)
 ``text``     a reward model with its own tokenizer: decode, render with its template, re-tokenize
 ``remote``   ``remote_reward(url)``: a reward served over HTTP (OpenRLHF's protocol)
 ``process``  ``ProcessRewardModel``: a PRM's step scores on the step separators
@@ -21,6 +22,6 @@ Example:
 
 from .process import ProcessRewardModel
 from .remote import RemoteRewardError, remote_reward
-from .scoring import build_rewards
+from .scoring import TurnRewards, build_rewards
 
-__all__ = ["ProcessRewardModel", "RemoteRewardError", "build_rewards", "remote_reward"]
+__all__ = ["ProcessRewardModel", "RemoteRewardError", "TurnRewards", "build_rewards", "remote_reward"]

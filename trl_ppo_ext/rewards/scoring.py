@@ -20,7 +20,8 @@ through to the non-finite guard, as an RM's would.
 
 Beyond one number per completion: per-token rewards (a function may return, per
 completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
-:func:`evaluate_rewards_per_token`), a process reward model's step scores on the step separators
+:func:`evaluate_rewards_per_token`), per-turn rewards (:class:`TurnRewards`, one value per model
+turn of an episode, each on its turn's last token), a process reward model's step scores on the step separators
 (:func:`process_rewards`), reward models with their own tokenizer (``Reward.tokenizer``,
 :func:`with_reward_tokenizers`; the text path is :mod:`trl_ppo_ext.rewards.text`), and
 :func:`remote_reward` (:mod:`trl_ppo_ext.rewards.remote`), usable today.
@@ -48,10 +49,11 @@ from .. import functional as F
 from .remote import RemoteReward, RemoteRewardError, remote_reward
 
 __all__ = [
-    "Reward", "RemoteReward", "RemoteRewardError", "build_rewards", "call_functions", "check_outputs",
+    "Reward", "RemoteReward", "RemoteRewardError", "TurnRewards", "build_rewards", "call_functions", "check_outputs",
     "check_reward_heads", "combine_scores", "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level",
     "nonfinite_rewards", "process_rewards", "processing_class_entries", "remote_reward", "reward_function_kwargs",
-    "reward_name", "rewards_per_token", "separator_ends", "token_rewards", "values_and_mask", "with_reward_tokenizers",
+    "reward_name", "rewards_per_token", "separator_ends", "token_rewards", "turn_positions", "values_and_mask",
+    "with_reward_tokenizers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -319,11 +321,80 @@ def evaluate_rewards(
     return _evaluate(rewards, model_scores, function_kwargs, batch_size, update, device)[:3]
 
 
+# ---------------------------------------------------------------- per-turn rewards
+class TurnRewards(float):
+    """One completion's rewards, one per model turn: the ``i``-th lands on the last token of the
+    episode's ``i``-th model turn (the ``i``-th run of the policy's tokens between environment
+    tokens; a completion without turns is one turn, its last valid token).
+
+    Return it per completion from a reward function (or from an environment's ``get_reward``,
+    where a plain list means the same): ``TurnRewards([0.0, -0.1, 1.0])``. It is a ``float``
+    whose value is the sum, the episode's return, so whatever reads a number (TRL GRPO, a
+    sequence-level path here, the critic-free estimators' sequence score) reads the sum.
+
+    The list may be shorter than the episode's turns: the turns after it get no reward (an
+    environment's steps end with the last tool call; the model's answer after it is a turn with
+    no step). A longer list is an error naming the reward (:func:`token_rewards`).
+
+    Args:
+        rewards: the per-turn rewards, numbers (NaN and inf pass through to the non-finite guard).
+
+    Raises:
+        ValueError: an entry that is not a number (None included: give 0.0 to a turn without reward).
+
+    Example:
+        >>> r = TurnRewards([0.5, 1.0])
+        >>> r.turns, float(r), r
+        ((0.5, 1.0), 1.5, TurnRewards([0.5, 1.0]))
+    """
+
+    turns: tuple[float, ...]
+
+    def __new__(cls, rewards: Sequence[float] | torch.Tensor = ()):
+        entries = rewards.tolist() if isinstance(rewards, torch.Tensor) else list(rewards)
+        for i, value in enumerate(entries):
+            if isinstance(value, bool) or not _is_number(value):
+                raise ValueError(
+                    f"TurnRewards takes one number per model turn; entry {i} is {value!r} ({type(value).__name__}). "
+                    "Give 0.0 to a turn without reward."
+                )
+        turns = tuple(float(v) for v in entries)
+        self = super().__new__(cls, sum(turns))
+        self.turns = turns
+        return self
+
+    def __reduce__(self):  # pickles (a process gathering outputs) as its turns, not as its sum
+        return (TurnRewards, (self.turns,))
+
+    def __repr__(self) -> str:
+        return f"TurnRewards({list(self.turns)!r})"
+
+
+def turn_positions(response_mask: torch.Tensor, action_mask: torch.Tensor | None = None) -> list[list[int]]:
+    """The column of each model turn's last token, per row: where a per-turn reward lands.
+
+    Args:
+        response_mask: bool ``(B, T)``. action_mask: bool ``(B, T)`` or None (no turns: each
+            row is one turn ending at its last valid token).
+    Returns:
+        ``B`` lists of columns, in turn order (``functional.turn_ends``); empty for a row with no
+        valid (action) token.
+
+    Example:
+        >>> turn_positions(torch.tensor([[True] * 5]), torch.tensor([[True, True, False, True, False]]))
+        [[1, 3]]
+    """
+    if action_mask is None:  # one turn, ending at the last valid token
+        return [torch.nonzero(m).flatten().tolist()[-1:] for m in response_mask.cpu()]
+    return [torch.nonzero(row).flatten().tolist() for row in F.turn_ends(action_mask & response_mask).cpu()]
+
+
 # ---------------------------------------------------------------- per-token (process) rewards
 def is_token_level(output) -> bool:
-    """Whether one completion's reward is token-level: a list/tuple (pairs or dense values) or a
-    1-D tensor, as opposed to a number or None (a sequence reward)."""
-    return isinstance(output, (list, tuple)) or (isinstance(output, torch.Tensor) and output.dim() == 1)
+    """Whether one completion's reward is placed on tokens rather than read as one number: a
+    list/tuple (pairs or dense values), a 1-D tensor, or a :class:`TurnRewards`, as opposed to
+    a plain number or None (a sequence reward)."""
+    return isinstance(output, (list, tuple, TurnRewards)) or (isinstance(output, torch.Tensor) and output.dim() == 1)
 
 
 def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "reward",
@@ -338,6 +409,8 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
       of the completion (0 = the first response token, as in ``completion_ids``); rewards named
       for the same token add up;
     - a dense list (or 1-D tensor) of numbers, one per valid token;
+    - a :class:`TurnRewards`: its ``i``-th value on the last token of the ``i``-th model turn
+      (:func:`turn_positions`: a run of ``action_mask``; without one, the last valid token);
     - None: the reward does not apply (a row of zeros, ``applies`` False).
 
     Args:
@@ -354,8 +427,9 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
         ``functional.shaped_rewards``).
     Raises:
         ValueError naming the reward, the completion and the index when an index lies outside the
-        completion's valid tokens, a dense list has the wrong length, an entry is not a number, or
-        a non-zero reward lands on an environment token.
+        completion's valid tokens, a dense list has the wrong length, a ``TurnRewards`` has more
+        values than the completion has turns, an entry is not a number, or a non-zero reward
+        lands on an environment token.
 
     Equivalent naive loop (``cols[b]`` = positions of row ``b``'s valid tokens)::
 
@@ -363,6 +437,7 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
             if number: rewards[b, cols[b][-1]] += out
             elif pairs: for k, r in out: rewards[b, cols[b][k]] += r
             elif dense: for k, r in enumerate(out): rewards[b, cols[b][k]] += r
+            elif turns: for i, r in enumerate(out.turns): rewards[b, turn_positions(...)[b][i]] += r
 
     Example:
         >>> mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
@@ -375,8 +450,21 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
     cols = [torch.nonzero(m).flatten().tolist() for m in response_mask.cpu()]  # valid positions per row
     last_action = None if action_mask is None else [  # where a number goes: the row's last action token
         (torch.nonzero(m).flatten().tolist() or [None])[-1] for m in action_mask.cpu()]
+    turns = None  # each row's turn ends, found once when some output is per turn
     rows, places, values = [], [], []
     for b, out in enumerate(outputs):
+        if isinstance(out, TurnRewards):
+            turns = turns if turns is not None else turn_positions(response_mask, action_mask)
+            if len(out.turns) > len(turns[b]):
+                raise ValueError(
+                    f"Reward {name!r} returned {len(out.turns)} per-turn rewards {list(out.turns)[:8]} for completion "
+                    f"{b}, which has {len(turns[b])} model turns (runs of the policy's tokens between environment "
+                    "tokens). Give at most one reward per turn, in turn order; the turns after the list get none."
+                )
+            rows += [b] * len(out.turns)
+            places += turns[b][: len(out.turns)]
+            values += list(out.turns)
+            continue
         for k, value in _token_entries(name, b, out, len(cols[b])):
             rows.append(b)
             sequence_reward = not is_token_level(out)
@@ -420,7 +508,7 @@ def _number(name: str, b: int, value) -> float:
     if isinstance(value, bool) or not _is_number(value):
         raise ValueError(
             f"Reward {name!r} returned {value!r} ({type(value).__name__}) for completion {b}; a reward is a number, a "
-            "list of (token_index, number) pairs, a list of one number per token, or None."
+            "list of (token_index, number) pairs, a list of one number per token, a TurnRewards, or None."
         )
     return float(value)
 
