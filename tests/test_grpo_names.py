@@ -1,11 +1,15 @@
-"""GRPO's config names in PPOConfig: the four with PPO's meaning are accepted in Python and on the
-command line and land on the PPO field; the others raise a TypeError naming what to use here."""
+"""GRPO's config names in PPOConfig: the aliases with PPO's meaning are accepted in Python and on the
+command line and land on the PPO field; GRPO's own fields that carry over are fields; names accepted
+only at one value say why another does not apply; the others raise a TypeError naming what to use here.
+A walk over the installed TRL's GRPOConfig checks that no field gets the bare dataclass error."""
+
+import dataclasses
 
 import pytest
 from transformers import HfArgumentParser
 
 from trl_ppo_ext import PPOConfig
-from trl_ppo_ext.grpo_names import FOREIGN_NAMES, GRPO_ALIASES
+from trl_ppo_ext.grpo_names import FOREIGN_NAMES, GRPO_ALIASES, GRPO_VALUE_ONLY
 
 
 @pytest.mark.parametrize("alias, ppo_name, value", [
@@ -13,6 +17,7 @@ from trl_ppo_ext.grpo_names import FOREIGN_NAMES, GRPO_ALIASES
     ("num_iterations", "num_ppo_epochs", 3),
     ("epsilon", "cliprange", 0.1),
     ("epsilon_high", "cliprange_high", 0.28),
+    ("delta", "dual_clip", 3.0),
 ])
 def test_a_grpo_alias_sets_the_ppo_field_and_both_read_it(tmp_path, alias, ppo_name, value):
     config = PPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, **{alias: value})
@@ -42,7 +47,7 @@ def test_aliases_parse_on_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("name, names_instead", [
     ("beta", "kl_coef"),
-    ("log_completions", "num_sample_generations"), ("steps_per_generation", "num_mini_batches"),
+    ("generation_batch_size", "per_device_train_batch_size"), ("steps_per_generation", "num_mini_batches"),
     ("mask_truncated_completions", "missing_eos_penalty"), ("max_prompt_length", "render_prompts"),
 ])
 def test_a_grpo_name_with_another_meaning_says_what_to_use(tmp_path, name, names_instead):
@@ -59,3 +64,63 @@ def test_no_foreign_name_is_a_field_and_every_alias_is():
     names = {f for f in PPOConfig.__dataclass_fields__}
     assert names.isdisjoint(FOREIGN_NAMES)
     assert set(GRPO_ALIASES) | set(GRPO_ALIASES.values()) <= names
+
+
+def _grpo_fields():
+    trl = pytest.importorskip("trl")
+    return [f for f in dataclasses.fields(trl.GRPOConfig) if f.init]
+
+
+def _grpo_default(f):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def test_every_grpo_field_is_a_field_an_accepted_value_or_a_named_refusal(tmp_path):
+    """Each GRPOConfig field this config does not declare, at GRPO's default, is accepted or refused
+    with an error naming it (never "unexpected keyword argument")."""
+    ours = set(PPOConfig.__dataclass_fields__)
+    missing = [f for f in _grpo_fields() if f.name not in ours]
+    assert missing, "the installed TRL's GRPOConfig has no field PPOConfig lacks: the walk checks nothing"
+    for f in missing:
+        assert f.name in FOREIGN_NAMES or f.name in GRPO_VALUE_ONLY, f"GRPOConfig.{f.name} is not classified"
+        try:
+            PPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, **{f.name: _grpo_default(f)})
+        except (TypeError, ValueError) as err:
+            assert "unexpected keyword argument" not in str(err) and f.name in str(err), (f.name, str(err))
+
+
+@pytest.mark.parametrize("name, value, why", [
+    ("importance_sampling_level", "sequence", "GSPO"), ("sync_ref_model", True, "TR-DPO"),
+    ("vllm_structured_outputs_regex", "ab", "constrained decoding"), ("num_generations_eval", 4,
+                                                                      "num_sample_generations"),
+])
+def test_a_grpo_field_accepted_only_at_one_value_says_why_another_does_not_apply(make_config, name, value, why):
+    with pytest.raises(ValueError, match=f"PPOConfig got {name}={value!r}, a TRL GRPO field accepted here only as "
+                                         f".*{why}"):
+        make_config(**{name: value})
+    accepted = GRPO_VALUE_ONLY[name][0][0]
+    assert not hasattr(make_config(**{name: accepted}), name)  # the accepted value sets nothing
+
+
+def test_the_sampling_filters_and_grpo_fields_are_fields_checked_and_parsed(tmp_path, make_config):
+    config = make_config(top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1, generation_kwargs={"top_k": 2},
+                         log_completions=True, num_completions_to_print=3, shuffle_dataset=False)
+    assert (config.top_k, config.top_p, config.min_p, config.repetition_penalty) == (5, 0.9, 0.05, 1.1)
+    with pytest.raises(ValueError, match="PPOConfig.top_p must be in"):
+        make_config(top_p=1.5)
+    with pytest.raises(ValueError, match=r"generation_kwargs sets \['do_sample'\]"):
+        make_config(generation_kwargs={"do_sample": False})
+    with pytest.raises(ValueError, match="num_completions_to_print must be an int >= 1"):
+        make_config(num_completions_to_print=0)
+    (parsed,) = HfArgumentParser(PPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--top_k", "1",
+         "--generation_kwargs", '{"top_p": 0.5}', "--log_completions", "True", "--trust_remote_code", "True"])
+    assert (parsed.top_k, parsed.generation_kwargs, parsed.log_completions, parsed.trust_remote_code) == (
+        1, '{"top_p": 0.5}', True, True)
+
+
+def test_trust_remote_code_reaches_from_pretrained(make_config):
+    from trl_ppo_ext.inputs import model_init_kwargs
+
+    assert model_init_kwargs(make_config(trust_remote_code=True)) == {"trust_remote_code": True}
+    assert model_init_kwargs(make_config()) == {}

@@ -52,8 +52,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
     TRL GRPO's vLLM fields of [`trl_ppo_ext.generation.arguments.VLLMArguments`] (``use_vllm``,
     ``vllm_mode``, ``vllm_importance_sampling_correction``, ...; see docs/vllm.md), GRPO's names
-    for four PPO fields (``max_completion_length``, ``num_iterations``, ``epsilon``,
-    ``epsilon_high``; [`trl_ppo_ext.grpo_names`]), plus:
+    for five PPO fields (``max_completion_length``, ``num_iterations``, ``epsilon``,
+    ``epsilon_high``, ``delta``) and GRPO's own fields that carry over (the sampling filters
+    ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``;
+    ``log_completions``, ``shuffle_dataset``, ...; [`trl_ppo_ext.grpo_names`]), plus:
 
     Parameters:
         entropy_coef (`float`, defaults to `0.0`):
@@ -312,6 +314,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         # "bf16 where the hardware has it": True on a bf16-capable CUDA device, else False.
         if self.bf16 is None and not self.fp16 and not _bf16_available():
             self.bf16 = False
+        self.check_grpo_fields()
         super().__post_init__()  # TRL's and transformers' checks (they do not chain to GuardSettings)
         GuardSettings.__post_init__(self)
         self._read_recipe_values()

@@ -15,7 +15,8 @@ same place, and renders the dataset's ``prompt`` column itself. These functions 
   ``messages``) column -> rendered with the chat template (``data.render_prompts``); the
   ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is.
 
-``trust_remote_code`` is never set here: pass it in ``model_init_kwargs`` when you mean it.
+``trust_remote_code`` is set only when the config asks (``trust_remote_code=True``, GRPO's field, or in
+``model_init_kwargs``).
 
 Example:
 
@@ -52,7 +53,10 @@ def model_init_kwargs(args) -> dict:
                              'text such as \'{"dtype": "bfloat16"}\'.') from err
     if not isinstance(kwargs, dict):
         raise TypeError(f"PPOConfig.model_init_kwargs must be a dict or JSON text, got {type(kwargs).__name__}.")
-    return dict(kwargs)
+    kwargs = dict(kwargs)
+    if getattr(args, "trust_remote_code", False):  # GRPO's field; an explicit model_init_kwargs value wins
+        kwargs.setdefault("trust_remote_code", True)
+    return kwargs
 
 
 def default_args(model):
@@ -90,10 +94,11 @@ def load_policy(model, args):
     return AutoModelForCausalLM.from_pretrained(source, **model_init_kwargs(args))
 
 
-def load_processing_class(processing_class, model):
+def load_processing_class(processing_class, model, trust_remote_code: bool = False):
     """``processing_class``, or for ``None`` the policy's tokenizer (``AutoTokenizer`` from the
-    folder or id the policy was loaded from), given the EOS as pad token when it has none (as
-    GRPO does: the response mask here never reads the pad id, so pad == EOS is safe)."""
+    folder or id the policy was loaded from, with ``trust_remote_code``: the config's), given the
+    EOS as pad token when it has none (as GRPO does: the response mask here never reads the pad id,
+    so pad == EOS is safe)."""
     if processing_class is not None:
         return processing_class
     source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
@@ -104,7 +109,7 @@ def load_processing_class(processing_class, model):
         )
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, **({"trust_remote_code": True} if trust_remote_code else {}))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
