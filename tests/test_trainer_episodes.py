@@ -159,3 +159,32 @@ def test_episodes_train_the_shared_lora_actor_critic(make_trainer, assert_metric
     after = dict(model.named_parameters())
     assert not torch.equal(after["value_head.weight"], before["value_head.weight"])
     assert any(not torch.equal(after[n], v) for n, v in before.items() if "lora_B" in n)
+
+
+@pytest.mark.slow
+def test_a_grpo_rollout_func_samples_with_trainer_model_generate(make_trainer):
+    """TRL's docs' rollout_func without vLLM: tokenize, then `trainer.model.generate` (here also through
+    `accelerator.unwrap_model`), then return ids and log-probs. trainer.model is the policy+critic
+    module; its generate is the policy's."""
+    tok = build_tiny_tokenizer()
+    used = []
+
+    def rollout_func(prompts, trainer):
+        device = trainer.accelerator.device
+        prompt_ids, completion_ids = [], []
+        for i, prompt in enumerate(prompts):
+            ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            model = trainer.model if i % 2 else trainer.accelerator.unwrap_model(trainer.model)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=True,
+                                 pad_token_id=tok.pad_token_id)
+            used.append(type(model).__name__)
+            prompt_ids.append(ids[0].tolist())
+            completion_ids.append(out[0, ids.shape[1]:].tolist())
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": [[0.0] * len(c) for c in completion_ids]}
+
+    trainer = make_trainer(tok, rollout_func=rollout_func, reward_funcs=[_length_reward], reward_model=None,
+                           max_steps=1)
+    trainer.train()
+    assert used and set(used) == {"PolicyAndValue"}
+    assert [h for h in trainer.state.log_history if "objective/scores" in h]
