@@ -124,3 +124,36 @@ def test_trust_remote_code_reaches_from_pretrained(make_config):
 
     assert model_init_kwargs(make_config(trust_remote_code=True)) == {"trust_remote_code": True}
     assert model_init_kwargs(make_config()) == {}
+
+
+def test_grpo_metric_names_carry_the_same_quantities():
+    from trl_ppo_ext.grpo_names import grpo_metrics
+
+    ours = {"objective/scores_before_penalty": 0.5, "objective/scores_std": 0.2, "val/response_length": 4.0,
+            "val/response_length_min": 2.0, "val/response_length_max": 6.0, "val/eos_rate": 0.75,
+            "objective/kl": 2.0, "policy/entropy_avg": 3.8, "policy/clipfrac_lower_avg": 0.125,
+            "policy/clipfrac_upper_avg": 0.25, "policy/grad_norm": 1.5, "lr": 1e-5, "loss/policy_avg": -0.1}
+    grpo = grpo_metrics(ours, num_tokens_seen=1200, step_time=2.5)
+    assert grpo == {
+        "reward": 0.5, "reward_std": 0.2, "completions/mean_length": 4.0, "completions/min_length": 2.0,
+        "completions/max_length": 6.0, "entropy": 3.8, "clip_ratio/low_mean": 0.125, "clip_ratio/high_mean": 0.25,
+        "grad_norm": 1.5, "learning_rate": 1e-5, "loss": -0.1,
+        "completions/clipped_ratio": 0.25,  # 1 - eos_rate
+        "kl": 0.5,  # 2.0 summed over 4 tokens per response
+        "clip_ratio/region_mean": 0.375, "num_tokens": 1200.0, "step_time": 2.5,
+    }
+
+
+def test_the_metrics_page_maps_every_key_trl_grpo_logs():
+    import inspect
+    import re
+    from pathlib import Path
+
+    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    source = inspect.getsource(grpo_trainer)
+    keys = set(re.findall(r'_metrics\[mode\]\["([^"]+)"\]', source)) | {"step_time", "num_tokens"}
+    keys |= {"loss", "grad_norm", "learning_rate", "epoch"}  # the Trainer's own
+    page = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    section = page.split("## TRL GRPO's keys", 1)[1]
+    missing = sorted(k for k in keys if f"`{k}`" not in section)
+    assert not missing, f"docs/metrics.md does not map GRPO's {missing}"

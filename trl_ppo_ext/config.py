@@ -87,6 +87,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         reward_weights (`list[float]` or `None`, defaults to `None`):
             One weight per reward -- ``reward_model`` first, then each of the trainer's
             ``reward_funcs`` -- in the combined score; None: 1 each.
+        print_metrics_dict (`bool`, defaults to `False`):
+            Also print each logged metrics dict on the console, as transformers does; by default
+            the console gets one readable line per logged update (``reporting.console_line``), and
+            the tqdm bar only on a terminal.
         step_separator (`str`, defaults to `"\\n"`):
             A process reward model's step separator (TRL ``PRMTrainerConfig.step_separator``): a
             token-classification ``reward_model`` (or model in ``reward_funcs``) scores each step at
@@ -214,6 +218,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             "help": "Discard and regenerate rollouts sampled more than this many updates ago (policy lag). "
             "None: no limit."
         },
+    )
+
+    print_metrics_dict: bool = field(
+        default=False,
+        metadata={"help": "Print every logged metrics dict on the console (transformers' default) below the one "
+            "readable line per logged update; False: that line only (the trackers and log_history get every key "
+            "either way)."},
     )
 
     on_sigterm: Literal["save_and_exit", "save_and_return", "off"] = field(

@@ -258,3 +258,58 @@ class GRPOFields:
                     f"{ppo_name}, so they must agree. Set one of them."
                 )
             setattr(self, ppo_name, given)
+
+
+# ---------------------------------------------------------------- GRPO's metric names
+# TRL GRPO's logged key -> this package's key for the same quantity (log_history keeps both; the
+# package's own key says more: where it is a sum, a side, a phase). Derived keys are in grpo_metrics.
+GRPO_METRIC_SOURCES = {
+    "reward": "objective/scores_before_penalty",  # the reward functions' weighted sum, mean
+    "reward_std": "objective/scores_std",
+    "frac_reward_zero_std": "objective/frac_zero_std_groups",
+    "completions/mean_length": "val/response_length",
+    "completions/min_length": "val/response_length_min",
+    "completions/max_length": "val/response_length_max",
+    "completions/mean_terminated_length": "val/terminated_length_mean",
+    "completions/min_terminated_length": "val/terminated_length_min",
+    "completions/max_terminated_length": "val/terminated_length_max",
+    "entropy": "policy/entropy_avg",  # per token, of the full next-token distribution
+    "clip_ratio/low_mean": "policy/clipfrac_lower_avg",
+    "clip_ratio/high_mean": "policy/clipfrac_upper_avg",
+    "grad_norm": "policy/grad_norm",
+    "learning_rate": "lr",
+    "loss": "loss/policy_avg",  # GRPO's loss is its policy loss; the value loss is loss/value_avg
+}
+
+
+def grpo_metrics(metrics: dict, *, num_tokens_seen: float | None = None,
+                 step_time: float | None = None) -> dict[str, float]:
+    """TRL GRPO's names for the quantities of ``metrics`` (one update's, this package's keys),
+    to log beside them: :data:`GRPO_METRIC_SOURCES` copied, and
+
+    * ``completions/clipped_ratio`` = ``1 - val/eos_rate`` (responses that did not stop);
+    * ``kl`` = ``objective/kl / val/response_length``: the per-token KL (GRPO's figure), where the
+      package's is summed per response (the total over the tokens, divided by the tokens);
+    * ``clip_ratio/region_mean`` = low + high (the two sides never meet: A < 0 vs A > 0);
+    * ``num_tokens`` = ``num_tokens_seen`` (prompt + completion tokens so far, every process) and
+      ``step_time`` (seconds of the update), when given.
+
+    A source the update did not log is left out (``frac_reward_zero_std`` without groups,
+    ``grad_norm`` without a step).
+
+    Example:
+        >>> grpo_metrics({"objective/kl": 1.5, "val/response_length": 3.0, "val/eos_rate": 0.75}, step_time=1.25)
+        {'completions/mean_length': 3.0, 'completions/clipped_ratio': 0.25, 'kl': 0.5, 'step_time': 1.25}
+    """
+    out = {grpo: metrics[ours] for grpo, ours in GRPO_METRIC_SOURCES.items() if ours in metrics}
+    if "val/eos_rate" in metrics:
+        out["completions/clipped_ratio"] = 1.0 - metrics["val/eos_rate"]
+    if "objective/kl" in metrics and metrics.get("val/response_length"):
+        out["kl"] = metrics["objective/kl"] / metrics["val/response_length"]
+    if "policy/clipfrac_lower_avg" in metrics and "policy/clipfrac_upper_avg" in metrics:
+        out["clip_ratio/region_mean"] = metrics["policy/clipfrac_lower_avg"] + metrics["policy/clipfrac_upper_avg"]
+    if num_tokens_seen is not None:
+        out["num_tokens"] = float(num_tokens_seen)
+    if step_time is not None:
+        out["step_time"] = float(step_time)
+    return out
