@@ -157,3 +157,36 @@ def test_the_metrics_page_maps_every_key_trl_grpo_logs():
     section = page.split("## TRL GRPO's keys", 1)[1]
     missing = sorted(k for k in keys if f"`{k}`" not in section)
     assert not missing, f"docs/metrics.md does not map GRPO's {missing}"
+
+
+def test_the_grpo_defaults_named_in_the_warning_are_trls():
+    from trl_ppo_ext.grpo_names import GRPO_DEFAULTS, PPO_DEFAULTS
+
+    trl = pytest.importorskip("trl")
+    grpo = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    assert {name: value for name, (_, value, _) in GRPO_DEFAULTS.items()} == {n: grpo[n] for n in GRPO_DEFAULTS}
+    assert PPO_DEFAULTS == {k: PPOConfig.__dataclass_fields__[k].default for k in PPO_DEFAULTS}
+
+
+def test_a_grpo_style_config_gets_one_warning_naming_the_defaults_that_differ(make_config):
+    from trl_ppo_ext.grpo_names import grpo_defaults_warning
+
+    # a GRPO script's config: GRPO's names, its temperature; completion length, samples, passes left unset
+    text = grpo_defaults_warning(make_config(max_completion_length=None, epsilon=0.2, top_p=0.95, temperature=1.0,
+                                             response_length=53, num_ppo_epochs=4))
+    assert text.startswith("This looks like a GRPO configuration (it sets epsilon, top_p, ")
+    assert ("completion length: response_length=53, GRPO's max_completion_length=512; samples per prompt: "
+            "num_generations=1, GRPO's num_generations=8; passes over each rollout batch: num_ppo_epochs=4, "
+            "GRPO's num_iterations=1.") in text
+    assert "temperature" not in text.split("sets nothing")[1]  # GRPO's value already
+
+
+def test_a_ppo_config_and_a_grpo_config_with_grpo_values_get_none(make_config):
+    from trl_ppo_ext.grpo_names import grpo_defaults_warning
+
+    assert grpo_defaults_warning(make_config(response_length=53, temperature=0.7)) is None
+    grpo_values = make_config(max_completion_length=12, response_length=12, temperature=1.0, num_generations=2,
+                              num_iterations=1, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    assert grpo_defaults_warning(grpo_values) is None  # every setting GRPO's or the script's own
+    assert "reward_funcs without a reward_model" in grpo_defaults_warning(
+        make_config(response_length=53, temperature=0.7), signals=("reward_funcs without a reward_model",))

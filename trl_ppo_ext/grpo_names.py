@@ -247,6 +247,8 @@ class GRPOFields:
         """Raises ``ValueError`` naming both fields when both are set to different values (the
         PPO field counts as set when it differs from its default)."""
         defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        # which GRPO names the caller gave (after this, every alias reads its PPO field's value)
+        self._grpo_aliases_given = tuple(alias for alias in GRPO_ALIASES if getattr(self, alias) is not None)
         for alias, ppo_name in GRPO_ALIASES.items():
             given, current = getattr(self, alias), getattr(self, ppo_name)
             if given is None:
@@ -313,3 +315,71 @@ def grpo_metrics(metrics: dict, *, num_tokens_seen: float | None = None,
     if step_time is not None:
         out["step_time"] = float(step_time)
     return out
+
+
+# ---------------------------------------------------------------- a GRPO script's configuration
+# TRL GRPO's defaults for the settings where PPO's differ (tests/test_grpo_names.py checks them against
+# the installed TRL): GRPO name -> (PPO field, GRPO's default, what it is).
+GRPO_DEFAULTS = {
+    "max_completion_length": ("response_length", 512, "completion length"),
+    "temperature": ("temperature", 1.0, "sampling temperature"),
+    "num_generations": ("num_generations", 8, "samples per prompt"),
+    "num_iterations": ("num_ppo_epochs", 1, "passes over each rollout batch"),
+}
+
+
+def grpo_style_fields(args) -> list[str]:
+    """The settings of ``args`` (a ``PPOConfig``) that only a GRPO script gives: a GRPO alias
+    (``max_completion_length``, ``epsilon``, ...), a GRPO field away from its default (``top_p``,
+    ``log_completions``, ...), or ``num_generations > 1``. Empty for a PPO script."""
+    given = list(getattr(args, "_grpo_aliases_given", ()))
+    own = [f for f in fields(GRPOFields) if f.name not in GRPO_ALIASES and f.default is not MISSING]
+    given += [f.name for f in own if getattr(args, f.name, f.default) != f.default]
+    if getattr(args, "num_generations", 1) > 1:
+        given.append("num_generations")
+    return given
+
+
+def grpo_defaults_warning(args, signals: tuple[str, ...] = ()) -> str | None:
+    """The one warning for a GRPO-style configuration that keeps PPO's defaults where GRPO's differ.
+
+    Args:
+        args: the trainer's ``PPOConfig``.
+        signals: other signs of a GRPO script the caller saw (``"reward_funcs without a
+            reward_model"``); with :func:`grpo_style_fields` they make the configuration GRPO-style.
+    Returns:
+        None for a PPO-style configuration, or one with GRPO's values everywhere; else a text
+        naming what matched GRPO and each PPO default in force where GRPO's differs (completion
+        length, temperature, samples per prompt, passes per batch), with GRPO's value.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(_grpo_aliases_given=("max_completion_length",), response_length=256,
+        ...                        temperature=0.7, num_generations=1, num_ppo_epochs=4)
+        >>> print(grpo_defaults_warning(args).split(". ")[1])
+        PPO's defaults differ from GRPO's where it sets nothing: sampling temperature: temperature=0.7, GRPO's ...
+    """
+    matched = [*grpo_style_fields(args), *signals]
+    if not matched:
+        return None
+    given = set(matched)
+    declared = getattr(type(args), "__dataclass_fields__", {})
+    differing = []
+    for grpo_name, (ppo_name, grpo_value, what) in GRPO_DEFAULTS.items():
+        value = getattr(args, ppo_name)
+        ppo_default = declared[ppo_name].default if ppo_name in declared else PPO_DEFAULTS[ppo_name]
+        if grpo_name in given or value != ppo_default or value == grpo_value:
+            continue  # set by the script (as far as a config can tell), or GRPO's value anyway
+        differing.append(f"{what}: {ppo_name}={value}, GRPO's {grpo_name}={grpo_value}")
+    if not differing:
+        return None
+    return (
+        f"This looks like a GRPO configuration (it sets {', '.join(matched)}, which mean here what they mean in "
+        f"TRL's GRPOConfig). PPO's defaults differ from GRPO's where it sets nothing: {'; '.join(differing)}. "
+        "Set them to GRPO's values to sample and update as your GRPO script did, or keep PPO's (a critic "
+        "usually wants several passes over each batch); see docs/dropin.md, 'Coming from GRPO'."
+    )
+
+
+# PPO's defaults of the four settings above (PPOConfig's; read from its fields when args is one).
+PPO_DEFAULTS = {"response_length": 53, "temperature": 0.7, "num_generations": 1, "num_ppo_epochs": 4}
