@@ -263,3 +263,31 @@ def test_update_metrics_add_the_figures_over_every_response_of_every_process():
     one = update_metrics(rollout(has_stop=torch.tensor([False, False])), targets(), STATS, gather=identity,
                          device="cpu")
     assert "objective/frac_zero_std_groups" not in one and one["val/terminated_length_mean"] == 0.0  # as TRL
+
+
+def test_completion_rows_read_as_the_question_the_completion_and_each_reward(capsys):
+    from trl_ppo_ext.metrics import completion_rows, last_user_message, print_completion_rows
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # <eos>=3, w0=6, w1=7, w2=8
+    conversation = [{"role": "system", "content": "answer in words"}, {"role": "user", "content": "w0 w1 ?"},
+                    {"role": "assistant", "content": "w2"}, {"role": "user", "content": "and w2 ?"}]
+    assert last_user_message(conversation) == "and w2 ?"
+    assert last_user_message([{"role": "user", "content": [{"type": "text", "text": "look"}]}]) == "look"
+    batch = rollout(extras={"prompt": [conversation, "w2 ?"]}, responses=torch.tensor([[7, 3, 0], [8, 8, 6]]),
+                    reward_values=torch.tensor([[1.0, 0.5], [0.0, 9.0]]),
+                    reward_applies=torch.tensor([[True, True], [True, False]]))
+    df = completion_rows(batch, tok, ["accuracy", "format"], gather_object=lambda xs: xs + xs)  # two processes
+    first, second = df.to_dict("records")[:2]
+    assert first == {"prompt": "and w2 ?", "completion": "w1", "accuracy": 1.0, "format": 0.5}  # no EOS shown
+    assert second.pop("format") != second.get("format") and second == {  # NaN: format does not apply
+        "prompt": "w2 ?", "completion": "w2 w2 w0", "accuracy": 0.0}
+    assert len(df) == 4
+    print_completion_rows(df, step=3, num_to_print=2)
+    assert capsys.readouterr().out.splitlines() == [
+        "completions at update 3 (2 of 4):",
+        "[0] prompt: and w2 ?", "    completion: w1", "    accuracy 1.000 | format 0.500",
+        "[1] prompt: w2 ?", "    completion: w2 w2 w0", "    accuracy 0.000 | format -",
+    ]
+    no_column = completion_rows(rollout(queries=torch.tensor([[6], [7]])), tok, [])  # the decoded prompt ids
+    assert no_column.to_dict("list") == {"prompt": ["w0", "w1"], "completion": ["w1", "w1 w2 w3"]}
