@@ -9,7 +9,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from trl_ppo_ext import PPOConfig
-from trl_ppo_ext.grpo_names import FOREIGN_NAMES, GRPO_ALIASES, GRPO_VALUE_ONLY
+from trl_ppo_ext.grpo_names import FOREIGN_NAMES, GRPO_ALIASES, GRPO_FOLDED, GRPO_VALUE_ONLY
 
 
 @pytest.mark.parametrize("alias, ppo_name, value", [
@@ -82,7 +82,7 @@ def test_every_grpo_field_is_a_field_an_accepted_value_or_a_named_refusal(tmp_pa
     missing = [f for f in _grpo_fields() if f.name not in ours]
     assert missing, "the installed TRL's GRPOConfig has no field PPOConfig lacks: the walk checks nothing"
     for f in missing:
-        assert f.name in FOREIGN_NAMES or f.name in GRPO_VALUE_ONLY, f"GRPOConfig.{f.name} is not classified"
+        assert f.name in {**FOREIGN_NAMES, **GRPO_VALUE_ONLY, **GRPO_FOLDED}, f"GRPOConfig.{f.name} is not classified"
         try:
             PPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, **{f.name: _grpo_default(f)})
         except (TypeError, ValueError) as err:
@@ -114,16 +114,25 @@ def test_the_sampling_filters_and_grpo_fields_are_fields_checked_and_parsed(tmp_
         make_config(num_completions_to_print=0)
     (parsed,) = HfArgumentParser(PPOConfig).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--top_k", "1",
-         "--generation_kwargs", '{"top_p": 0.5}', "--log_completions", "True", "--trust_remote_code", "True"])
-    assert (parsed.top_k, parsed.generation_kwargs, parsed.log_completions, parsed.trust_remote_code) == (
-        1, '{"top_p": 0.5}', True, True)
+         "--generation_kwargs", '{"top_p": 0.5}', "--log_completions", "True"])
+    assert (parsed.top_k, parsed.generation_kwargs, parsed.log_completions) == (1, '{"top_p": 0.5}', True)
 
 
-def test_trust_remote_code_reaches_from_pretrained(make_config):
+def test_trust_remote_code_reaches_from_pretrained_and_leaves_model_config_its_flag(make_config):
+    from dataclasses import dataclass, field
+
     from trl_ppo_ext.inputs import model_init_kwargs
 
     assert model_init_kwargs(make_config(trust_remote_code=True)) == {"trust_remote_code": True}
-    assert model_init_kwargs(make_config()) == {}
+    assert model_init_kwargs(make_config(trust_remote_code=True, model_init_kwargs='{"dtype": "float32"}')) == {
+        "dtype": "float32", "trust_remote_code": True}
+    assert model_init_kwargs(make_config(trust_remote_code=False)) == {}
+
+    @dataclass
+    class ModelArguments:  # TRL's ModelConfig before 1.16, and this package's examples, declare the flag
+        trust_remote_code: bool = field(default=False)
+
+    HfArgumentParser((PPOConfig, ModelArguments))  # no "conflicting option string"
 
 
 def test_grpo_metric_names_carry_the_same_quantities():
@@ -142,6 +151,8 @@ def test_grpo_metric_names_carry_the_same_quantities():
         "kl": 0.5,  # 2.0 summed over 4 tokens per response
         "clip_ratio/region_mean": 0.375, "num_tokens": 1200.0, "step_time": 2.5,
     }
+    # a GRPO key the update logs already (the group estimators' reward_std) is not written again
+    assert "reward_std" not in grpo_metrics({**ours, "reward_std": 0.3})
 
 
 def test_the_metrics_page_maps_every_key_trl_grpo_logs():

@@ -7,8 +7,9 @@ field is one of four kinds here, and none gives the bare dataclass "unexpected k
 * a field with GRPO's meaning (:class:`GRPOFields`, also on the command line through
   ``HfArgumentParser``): the sampling filters ``top_k``, ``top_p``, ``min_p``,
   ``repetition_penalty`` and ``generation_kwargs`` (applied on both engines and in the log-probs,
-  ``generation.filters``), ``cache_implementation``, ``model_init_kwargs``, ``trust_remote_code``,
-  ``shuffle_dataset``, ``log_completions``, ``num_completions_to_print``;
+  ``generation.filters``), ``cache_implementation``, ``model_init_kwargs``, ``shuffle_dataset``,
+  ``log_completions``, ``num_completions_to_print``; ``trust_remote_code=True`` is accepted and
+  folded into ``model_init_kwargs`` (:func:`with_remote_code`);
 * an alias of a PPO field (below);
 * a name accepted only at the value that means what this trainer does (``GRPO_VALUE_ONLY``:
   ``disable_dropout=True``, ``importance_sampling_level="token"``, ``sync_ref_model=False``, ...):
@@ -44,6 +45,7 @@ PPOConfig has no field 'beta'
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import MISSING, dataclass, field, fields
 
 # GRPO's name -> the PPO field with the same meaning.
@@ -158,6 +160,21 @@ def foreign_name_message(name: str) -> str:
     return f"PPOConfig has no field {name!r}: {FOREIGN_NAMES[name]}"
 
 
+# GRPO fields taken as arguments and folded into another field (name -> that field).
+GRPO_FOLDED = {"trust_remote_code": "model_init_kwargs"}
+
+
+def with_remote_code(model_init_kwargs) -> dict:
+    """``model_init_kwargs`` (None, a dict or JSON text) with ``trust_remote_code=True``: GRPO's
+    ``trust_remote_code`` field, folded where this package's loading reads it. It is no field of
+    its own here, so that ``HfArgumentParser((PPOConfig, ModelConfig))`` keeps working with the
+    ``ModelConfig`` / script arguments that declare ``trust_remote_code`` themselves; on the command
+    line pass ``--model_init_kwargs '{"trust_remote_code": true}'``."""
+    if isinstance(model_init_kwargs, str):
+        model_init_kwargs = json.loads(model_init_kwargs)
+    return {**(model_init_kwargs or {}), "trust_remote_code": True}
+
+
 def refuse_foreign_names(cls):
     """Class decorator (after ``@dataclass``): ``cls(**kwargs)`` with a GRPO name of
     ``FOREIGN_NAMES`` raises ``TypeError(foreign_name_message(name))``; a ``GRPO_VALUE_ONLY`` name is
@@ -175,6 +192,8 @@ def refuse_foreign_names(cls):
                 value = kwargs.pop(name)
                 if value not in GRPO_VALUE_ONLY[name][0]:
                     raise ValueError(value_only_message(name, value))
+        if kwargs.pop("trust_remote_code", False):
+            kwargs["model_init_kwargs"] = with_remote_code(kwargs.get("model_init_kwargs"))
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
@@ -199,9 +218,6 @@ class GRPOFields:
     model_init_kwargs: dict | str | None = field(default=None, metadata={"help": (
         "Keyword arguments for AutoModelForCausalLM.from_pretrained when `model` is a model id or folder (TRL "
         "GRPO's field; a dict, or JSON text on the command line).")})
-    trust_remote_code: bool = field(default=False, metadata={"help": (
-        "Allow a model id or folder (policy, reward models, tokenizer) to run its own Python code when loaded "
-        "(TRL GRPO's field; added to model_init_kwargs).")})
 
     # Sampling filters (TRL GRPO's fields): on transformers' generate and vLLM alike, and in the log-probs
     # of the update (trl_ppo_ext.generation.filters).
@@ -267,8 +283,7 @@ class GRPOFields:
 # package's own key says more: where it is a sum, a side, a phase). Derived keys are in grpo_metrics.
 GRPO_METRIC_SOURCES = {
     "reward": "objective/scores_before_penalty",  # the reward functions' weighted sum, mean
-    "reward_std": "objective/scores_std",
-    "frac_reward_zero_std": "objective/frac_zero_std_groups",
+    "reward_std": "objective/scores_std",  # logged under GRPO's name already with num_generations > 1
     "completions/mean_length": "val/response_length",
     "completions/min_length": "val/response_length_min",
     "completions/max_length": "val/response_length_max",
@@ -287,7 +302,8 @@ GRPO_METRIC_SOURCES = {
 def grpo_metrics(metrics: dict, *, num_tokens_seen: float | None = None,
                  step_time: float | None = None) -> dict[str, float]:
     """TRL GRPO's names for the quantities of ``metrics`` (one update's, this package's keys),
-    to log beside them: :data:`GRPO_METRIC_SOURCES` copied, and
+    to log beside them: :data:`GRPO_METRIC_SOURCES` copied (a key ``metrics`` holds already, such
+    as the group estimators' ``reward_std``, stays out), and
 
     * ``completions/clipped_ratio`` = ``1 - val/eos_rate`` (responses that did not stop);
     * ``kl`` = ``objective/kl / val/response_length``: the per-token KL (GRPO's figure), where the
@@ -296,14 +312,13 @@ def grpo_metrics(metrics: dict, *, num_tokens_seen: float | None = None,
     * ``num_tokens`` = ``num_tokens_seen`` (prompt + completion tokens so far, every process) and
       ``step_time`` (seconds of the update), when given.
 
-    A source the update did not log is left out (``frac_reward_zero_std`` without groups,
-    ``grad_norm`` without a step).
+    A source the update did not log is left out (``grad_norm`` without a step).
 
     Example:
         >>> grpo_metrics({"objective/kl": 1.5, "val/response_length": 3.0, "val/eos_rate": 0.75}, step_time=1.25)
         {'completions/mean_length': 3.0, 'completions/clipped_ratio': 0.25, 'kl': 0.5, 'step_time': 1.25}
     """
-    out = {grpo: metrics[ours] for grpo, ours in GRPO_METRIC_SOURCES.items() if ours in metrics}
+    out = {grpo: metrics[ours] for grpo, ours in GRPO_METRIC_SOURCES.items() if ours in metrics and grpo not in metrics}
     if "val/eos_rate" in metrics:
         out["completions/clipped_ratio"] = 1.0 - metrics["val/eos_rate"]
     if "objective/kl" in metrics and metrics.get("val/response_length"):

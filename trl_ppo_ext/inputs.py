@@ -15,8 +15,8 @@ same place, and renders the dataset's ``prompt`` column itself. These functions 
   ``messages``) column -> rendered with the chat template (``data.render_prompts``); the
   ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is.
 
-``trust_remote_code`` is set only when the config asks (``trust_remote_code=True``, GRPO's field, or in
-``model_init_kwargs``).
+``trust_remote_code`` is set only when the config asks: in ``model_init_kwargs``, where
+``PPOConfig(trust_remote_code=True)`` (GRPO's field) puts it.
 
 Example:
 
@@ -53,10 +53,7 @@ def model_init_kwargs(args) -> dict:
                              'text such as \'{"dtype": "bfloat16"}\'.') from err
     if not isinstance(kwargs, dict):
         raise TypeError(f"PPOConfig.model_init_kwargs must be a dict or JSON text, got {type(kwargs).__name__}.")
-    kwargs = dict(kwargs)
-    if getattr(args, "trust_remote_code", False):  # GRPO's field; an explicit model_init_kwargs value wins
-        kwargs.setdefault("trust_remote_code", True)
-    return kwargs
+    return dict(kwargs)
 
 
 def default_args(model):
@@ -96,7 +93,8 @@ def load_policy(model, args):
 
 def load_processing_class(processing_class, model, trust_remote_code: bool = False):
     """``processing_class``, or for ``None`` the policy's tokenizer (``AutoTokenizer`` from the
-    folder or id the policy was loaded from, with ``trust_remote_code``: the config's), given the
+    folder or id the policy was loaded from, with ``trust_remote_code``: the config's
+    ``model_init_kwargs.get("trust_remote_code")``), given the
     EOS as pad token when it has none (as GRPO does: the response mask here never reads the pad id,
     so pad == EOS is safe)."""
     if processing_class is not None:

@@ -98,47 +98,43 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
 @torch.no_grad()
 def update_metrics(
     rollout: Rollout, targets, stats: dict[str, torch.Tensor], *, gather: Gather, device: torch.device | str,
-    num_generations: int = 1,
 ) -> dict[str, float]:
     """:func:`update_statistics` averaged over every process (one ``gather`` for all of
-    them), :func:`sequence_metrics` over every process's responses (a second one; groups of
-    ``num_generations`` adjacent rows), and ``val/ratio_max``, the largest ratio of any process
-    (a third)."""
+    them), :func:`sequence_metrics` over every process's responses (a second one), and
+    ``val/ratio_max``, the largest ratio of any process (a third)."""
     local = update_statistics(rollout, targets, stats)
     names = list(local)
     values = torch.stack([local[k].float().to(device) for k in names])
     means = gather(values[None]).reshape(-1, len(names)).mean(0)
     per_row = torch.stack([rollout.loss_mask.sum(1).float(), rollout.has_stop.float(), rollout.scores.float(),
                            (rollout.query_mask.sum(1) + rollout.response_mask.sum(1)).float()], dim=1)
-    rows = gather(per_row.to(device))  # (world * B, 4): each process's rows in turn, groups kept adjacent
+    rows = gather(per_row.to(device))  # (world * B, 4): each process's rows in turn
     ratio_max = gather(stats["ratio_max"].max()[None].to(device)).max()
     metrics = {k: float(v) for k, v in zip(names, means.tolist())}
-    metrics.update(sequence_metrics(rows[:, 0], rows[:, 1].bool(), rows[:, 2], rows[:, 3], num_generations))
+    metrics.update(sequence_metrics(rows[:, 0], rows[:, 1].bool(), rows[:, 2], rows[:, 3]))
     metrics["val/ratio_max"] = float(ratio_max)
     return metrics
 
 
-def sequence_metrics(lengths: torch.Tensor, stopped: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
-                     num_generations: int = 1) -> dict[str, float]:
+def sequence_metrics(lengths: torch.Tensor, stopped: torch.Tensor, scores: torch.Tensor,
+                     tokens: torch.Tensor) -> dict[str, float]:
     """Figures over every response of the update, the ones TRL GRPO logs beside the means.
 
     Args:
         lengths: ``(N,)`` the policy's tokens per response (``rollout.loss_mask``). stopped:
             ``(N,)`` bool, the response ended with a stop token. scores: ``(N,)`` the combined
             score before ``missing_eos_penalty``. tokens: ``(N,)`` prompt + response tokens.
-        num_generations: rows per prompt group (adjacent); > 1 adds the share of groups whose
-            scores all tie.
     Returns:
         ``val/response_length_min`` / ``_max``; ``val/terminated_length_mean`` / ``_min`` /
         ``_max`` over the responses that stopped (0 when none did, as TRL); ``objective/scores_std``
-        (unbiased; 0 for one response); ``val/num_tokens`` (their sum); with groups,
-        ``objective/frac_zero_std_groups``.
+        (unbiased, TRL GRPO's ``reward_std``, which ``estimators.group_reward_metrics`` logs under
+        that name with groups; 0 for one response); ``val/num_tokens`` (their sum).
 
     Example:
         >>> out = sequence_metrics(torch.tensor([2., 3., 4., 3.]), torch.tensor([True, False, True, True]),
-        ...                        torch.tensor([1., 1., 0., 2.]), torch.tensor([5., 6., 7., 8.]), 2)
-        >>> out["val/terminated_length_mean"], out["objective/frac_zero_std_groups"], out["val/num_tokens"]
-        (3.0, 0.5, 26.0)
+        ...                        torch.tensor([1., 1., 1., 1.]), torch.tensor([5., 6., 7., 8.]))
+        >>> out["val/terminated_length_mean"], out["objective/scores_std"], out["val/num_tokens"]
+        (3.0, 0.0, 26.0)
     """
     terminated = lengths[stopped] if bool(stopped.any()) else torch.zeros(1, dtype=lengths.dtype)
     out = {
@@ -150,10 +146,6 @@ def sequence_metrics(lengths: torch.Tensor, stopped: torch.Tensor, scores: torch
         "objective/scores_std": float(scores.std()) if scores.numel() > 1 else 0.0,
         "val/num_tokens": float(tokens.sum()),
     }
-    if num_generations > 1:
-        group_std = scores.reshape(-1, num_generations).std(dim=1)
-        out["objective/frac_zero_std_groups"] = float(torch.isclose(group_std, torch.zeros_like(group_std)).float()
-                                                      .mean())
     return out
 
 
