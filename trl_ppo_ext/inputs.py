@@ -228,7 +228,8 @@ def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, tr
     (:func:`load_reward_models`), both datasets (:func:`prompt_dataset`) and the critic
     (:func:`value_model_or_default`; none is made when ``args.advantage_estimator`` reads no value)."""
     model = load_policy(model, args)
-    processing_class = load_processing_class(processing_class, model)
+    processing_class = load_processing_class(processing_class, model,
+                                             bool(model_init_kwargs(args).get("trust_remote_code", False)))
     reward_model, reward_funcs = load_reward_models(reward_model, reward_funcs, args)
     train_dataset, eval_dataset = (
         prompt_dataset(dataset, processing_class, response_length=args.response_length,
