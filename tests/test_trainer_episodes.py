@@ -9,6 +9,7 @@ from peft import LoraConfig
 
 from trl_ppo_ext import functional as F
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -70,8 +71,8 @@ def test_a_single_turn_rollout_func_trains_bitwise_as_the_trainers_own_sampling(
     assert all(torch.equal(a[k], b[k]) for k in a)
     logs = [[h for h in t.state.log_history if "objective/scores" in h] for t in (own, funcs)]
     turns = {"rollout/turns_mean", "rollout/env_token_frac", "rollout/ends_on_env_frac"}
-    assert [{k: v for k, v in h.items() if k not in turns | {"eps"}} for h in logs[0]] == \
-        [{k: v for k, v in h.items() if k not in turns | {"eps"}} for h in logs[1]]
+    assert [{k: v for k, v in h.items() if k not in turns | set(TIMING_KEYS)} for h in logs[0]] == \
+        [{k: v for k, v in h.items() if k not in turns | set(TIMING_KEYS)} for h in logs[1]]
 
 
 def test_a_reward_function_placing_a_reward_on_an_environment_token_is_an_error(make_trainer):

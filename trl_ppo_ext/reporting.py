@@ -35,6 +35,10 @@ import sys
 
 from transformers.trainer_callback import ProgressCallback
 
+# Logged keys that measure wall-clock time (episodes per second; TRL GRPO's seconds per update): the
+# only ones two runs of the same seed may differ in.
+TIMING_KEYS = ("eps", "step_time")
+
 # The console line: (metric key, label, format), in this order; a key a run does not log is left out.
 # The entropy is per token (TRL GRPO's `entropy`); `objective/entropy` is a per-response sum.
 CONSOLE_FIELDS = (
