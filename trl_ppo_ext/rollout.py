@@ -360,8 +360,8 @@ def reference_response_logprobs(model, part: SampledBatch, inputs: tuple, temper
                                 autocast=nullcontext, filters: SamplingFilters | None = None) -> torch.Tensor:
     """``log pi_ref(a_t | s_t)`` ``(b, T)`` from a causal LM (a reference model, or the policy
     with its adapter disabled by the caller), at the sampling temperature; any value where
-    ``part.response_mask`` is False (the caller masks). ``filters``: None for a reference (the KL
-    anchor is the model at the temperature alone); the run's for the sampler's own log-probs."""
+    ``part.response_mask`` is False (the caller masks). ``filters``: the run's sampling filters
+    (``generation.filters``), for a reference as for the sampler's own log-probs; None: plain."""
     T = part.responses.shape[1]
     with autocast():
         logits = lm_logits(model, *inputs, logits_to_keep=T + 1)

@@ -24,9 +24,11 @@ would drop keeps its (small) probability the same way.
 
 TRL 1.16's GRPO samples with these filters but computes its log-probs from ``log_softmax(logits / T)``
 without them (the untruncated distribution); vLLM's ``processed_logprobs`` (its importance-sampling
-denominator) are the filtered ones. Here both are the filtered distribution's. The reference model's
-log-probs (the KL penalty) stay at the temperature alone: the reference is the model the run is
-anchored to, and its own filter could drop the token the policy sampled.
+denominator) are the filtered ones. Here both are the filtered distribution's, and so are the reference
+model's (the KL penalty): the reference as it would sample, its own filter over its own logits, the
+sampled token kept. A policy equal to its reference then has KL 0, as without filters; against an
+unfiltered reference every token would pay ``-log`` of the probability mass the filter keeps (with
+``top_k=1`` on a tiny model: 21 nats per 6-token response at the first update).
 
 Notation: ``B`` sequences, ``T`` response positions, ``V`` vocabulary, ``P`` prompt positions.
 
