@@ -20,6 +20,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from trl_ppo_ext import _base, _compat
+from trl_ppo_ext.reporting import TIMING_KEYS
 
 ROOT = Path(__file__).parents[1]
 TRL_HAS_PPO = _compat.trl_has_ppo()
@@ -233,7 +234,7 @@ def _compare_file(a: Path, b: Path) -> str | None:
     if a.name == "trainer_state.json":
         sa, sb = (json.loads(p.read_text()) for p in (a, b))
         for s in (sa, sb):
-            s["log_history"] = [_without(h, "eps") for h in s["log_history"]]
+            s["log_history"] = [_without(h, *TIMING_KEYS) for h in s["log_history"]]
         return None if sa == sb else "trainer state differs"
     return None if a.read_bytes() == b.read_bytes() else "bytes differ"
 
@@ -247,7 +248,8 @@ def test_a_run_on_our_base_equals_a_run_on_trls(tmp_path):
         a, b = trl_run[setup], own_run[setup]
         assert (a["files"], a["final_files"], a["output_dir_files"]) == (b["files"], b["final_files"],
                                                                           b["output_dir_files"])
-        assert [_without(h, "eps") for h in a["log_history"]] == [_without(h, "eps") for h in b["log_history"]]
+        assert [_without(h, *TIMING_KEYS) for h in a["log_history"]] == [
+            _without(h, *TIMING_KEYS) for h in b["log_history"]]
         assert len(a["log_history"]) == 2
         weights = "adapter_model.safetensors" if setup == "peft" else "model.safetensors"
         assert weights in a["final_files"] and "README.md" in a["output_dir_files"]
@@ -284,7 +286,7 @@ def test_a_checkpoint_written_on_trls_base_resumes_on_ours(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     logs_a = json.loads((tmp_path / "logs_straight.json").read_text())
     logs_b = json.loads((tmp_path / "logs_resume.json").read_text())
-    assert [_without(h, "eps") for h in logs_a] == [_without(h, "eps") for h in logs_b]
+    assert [_without(h, *TIMING_KEYS) for h in logs_a] == [_without(h, *TIMING_KEYS) for h in logs_b]
 
 
 @pytest.mark.slow

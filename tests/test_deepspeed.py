@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trl_ppo_ext.reporting import TIMING_KEYS
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -93,7 +95,7 @@ def _finite(logs):
 
 
 def _no_eps(logs):
-    return [{k: v for k, v in log.items() if k != "eps"} for log in logs]
+    return [{k: v for k, v in log.items() if k not in TIMING_KEYS} for log in logs]
 
 
 @pytest.fixture(scope="module")

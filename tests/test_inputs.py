@@ -147,3 +147,26 @@ def test_reward_model_ids_load_as_scalar_scorers(tmp_path):
     reward_model, funcs = load_reward_models(str(tmp_path / "rm"), [str(tmp_path / "rm"), brevity], _args())
     assert reward_model.config.num_labels == 1 and funcs[0].config.num_labels == 1 and funcs[1] is brevity
     assert load_reward_models(None, brevity, _args()) == (None, brevity)
+
+
+def test_the_tokenizer_is_loaded_with_the_configs_trust_remote_code(monkeypatch, make_config):
+    """PPOConfig(trust_remote_code=True) (GRPO's field) reaches the tokenizer's from_pretrained too."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from trl_ppo_ext import inputs as inputs_module
+
+    seen = []
+
+    def from_pretrained(source, **kwargs):
+        seen.append(kwargs)
+        return SimpleNamespace(pad_token="<pad>")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(inputs_module, "load_policy", lambda model, args: model)
+    monkeypatch.setattr(inputs_module, "load_reward_models", lambda rm, funcs, args: (rm, funcs))
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path="some/folder"))
+    for config, expected in ((make_config(trust_remote_code=True), {"trust_remote_code": True}), (make_config(), {})):
+        inputs_module.trainer_inputs(config, model, None, None, None, None, None, object(), None)
+        assert seen.pop() == expected

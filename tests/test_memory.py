@@ -489,3 +489,30 @@ def test_cli_advantage_estimator_sets_the_critic(estimator, critic, capsys):
     M.main(["--preset", "llama-7b", "--four-models", "--base", "bf16", "--advantage-estimator", estimator])
     out = capsys.readouterr().out
     assert ("three models, no critic" in out) is not critic and ("value" in out) is critic
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code`` (its stdout discarded)."""
+    import subprocess
+    import sys
+
+    probe = f"{code}\nimport sys\nprint('MODULES', ' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+    return set(out.split("MODULES", 1)[1].split())
+
+
+def test_the_package_and_the_memory_help_import_neither_torch_nor_transformers():
+    """`import trl_ppo_ext` and `python -m trl_ppo_ext.memory --help` answer in a fraction of a second
+    (the help took 10 s of torch/transformers/peft imports before argparse)."""
+    heavy = {"torch", "transformers", "peft", "trl"}
+    assert not heavy & _modules_after("import trl_ppo_ext")
+    help_run = ("import runpy, sys, contextlib, io\nsys.argv = ['memory', '--help']\n"
+                "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+                "    runpy.run_module('trl_ppo_ext.memory', run_name='__main__')")
+    assert not heavy & _modules_after(help_run)
+
+
+def test_the_cli_offers_every_advantage_estimator():
+    from trl_ppo_ext.estimators import ESTIMATORS
+
+    assert M.ESTIMATOR_CHOICES == tuple(ESTIMATORS)

@@ -236,3 +236,57 @@ def test_update_statistics_of_an_episode_count_model_tokens_and_turns():
     assert s["val/truncation_rate"] == 0.5  # row 1 fills the budget without a stop
     assert s["rollout/turns_mean"] == 1.5 and s["rollout/env_token_frac"] == pytest.approx(0.4)  # 2 of 5 in each row
     assert s["rollout/ends_on_env_frac"] == 0.5
+
+
+def test_update_metrics_add_the_figures_over_every_response_of_every_process():
+    # process 1 is the rollout above; process 2 the same rows with the stop flags swapped and scores 5, 5
+    other = rollout(has_stop=torch.tensor([False, True]), scores=torch.tensor([5.0, 5.0]))
+
+    def gather(t):
+        if t.ndim == 2 and t.shape[1] == 4:  # the per-response rows
+            return torch.cat([t, update_rows(other)])
+        return torch.cat([t, t])
+
+    def update_rows(r):
+        return torch.stack([r.loss_mask.sum(1).float(), r.has_stop.float(), r.scores.float(),
+                            (r.query_mask.sum(1) + r.response_mask.sum(1)).float()], dim=1)
+
+    m = update_metrics(rollout(), targets(), STATS, gather=gather, device="cpu")
+    # lengths 2, 3 | 2, 3; stopped: rows 0 and 3 (lengths 2 and 3)
+    assert (m["val/response_length_min"], m["val/response_length_max"]) == (2.0, 3.0)
+    assert (m["val/terminated_length_mean"], m["val/terminated_length_min"], m["val/terminated_length_max"]) == (
+        2.5, 2.0, 3.0)
+    # scores 1, 3, 5, 5: mean 3.5, squared deviations 6.25 + 0.25 + 2.25 + 2.25 = 11, / 3
+    assert m["objective/scores_std"] == pytest.approx(math.sqrt(11 / 3))
+    assert m["val/num_tokens"] == (1 + 2) + (1 + 3) + (1 + 2) + (1 + 3)  # prompt + response tokens
+    one = update_metrics(rollout(has_stop=torch.tensor([False, False])), targets(), STATS, gather=identity,
+                         device="cpu")
+    assert one["val/terminated_length_mean"] == 0.0  # none stopped: 0, as TRL
+
+
+def test_completion_rows_read_as_the_question_the_completion_and_each_reward(capsys):
+    from trl_ppo_ext.metrics import completion_rows, last_user_message, print_completion_rows
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # <eos>=3, w0=6, w1=7, w2=8
+    conversation = [{"role": "system", "content": "answer in words"}, {"role": "user", "content": "w0 w1 ?"},
+                    {"role": "assistant", "content": "w2"}, {"role": "user", "content": "and w2 ?"}]
+    assert last_user_message(conversation) == "and w2 ?"
+    assert last_user_message([{"role": "user", "content": [{"type": "text", "text": "look"}]}]) == "look"
+    batch = rollout(extras={"prompt": [conversation, "w2 ?"]}, responses=torch.tensor([[7, 3, 0], [8, 8, 6]]),
+                    reward_values=torch.tensor([[1.0, 0.5], [0.0, 9.0]]),
+                    reward_applies=torch.tensor([[True, True], [True, False]]))
+    df = completion_rows(batch, tok, ["accuracy", "format"], gather_object=lambda xs: xs + xs)  # two processes
+    first, second = df.to_dict("records")[:2]
+    assert first == {"prompt": "and w2 ?", "completion": "w1", "accuracy": 1.0, "format": 0.5}  # no EOS shown
+    assert second.pop("format") != second.get("format") and second == {  # NaN: format does not apply
+        "prompt": "w2 ?", "completion": "w2 w2 w0", "accuracy": 0.0}
+    assert len(df) == 4
+    print_completion_rows(df, step=3, num_to_print=2)
+    assert capsys.readouterr().out.splitlines() == [
+        "completions at update 3 (2 of 4):",
+        "[0] prompt: and w2 ?", "    completion: w1", "    accuracy 1.000 | format 0.500",
+        "[1] prompt: w2 ?", "    completion: w2 w2 w0", "    accuracy 0.000 | format -",
+    ]
+    no_column = completion_rows(rollout(queries=torch.tensor([[6], [7]])), tok, [])  # the decoded prompt ids
+    assert no_column.to_dict("list") == {"prompt": ["w0", "w1"], "completion": ["w1", "w1 w2 w3"]}

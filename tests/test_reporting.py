@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from trl_ppo_ext.reporting import backend_keys, console_line, log_due, with_backend_keys
+from trl_ppo_ext.reporting import (
+    UpdateProgress,
+    backend_keys,
+    console_line,
+    log_due,
+    update_progress,
+    with_backend_keys,
+)
 
 
 @pytest.mark.parametrize("every, first, expected", [
@@ -53,6 +60,39 @@ def test_tensorboard_shows_eval_and_train_without_a_doubled_prefix(tmp_path):
 def test_console_line_leaves_out_what_a_run_does_not_log():
     line = console_line({"objective/scores": -0.5, "objective/kl": 0.125}, update=1, total=2, seconds=12.0)
     assert line == "update 1/2 | score -0.500 | kl 0.125 | 12.00 s/update"
+
+
+def test_console_line_shows_the_per_token_entropy():
+    """The entropy GRPO users read (3.8 per token), not the per-response sum (22.8 over 6 tokens)."""
+    line = console_line({"objective/entropy": 22.8, "policy/entropy_avg": 3.8}, update=1, total=1, seconds=1.0)
+    assert line == "update 1/1 | entropy 3.800 | 1.00 s/update"
+
+
+def _state(zero=True):
+    from transformers import TrainerState
+
+    return TrainerState(max_steps=3, is_world_process_zero=zero)
+
+
+def test_the_console_gets_no_metrics_dict_and_no_bar_off_a_terminal(capsys):
+    """A log file (stderr not a terminal) gets the update lines alone: no tqdm redraws, no dict."""
+    callback = UpdateProgress()
+    callback.on_train_begin(None, _state(), None)  # pytest's stderr is no terminal
+    assert callback.training_bar is None
+    callback.on_step_end(None, _state(), None)
+    callback.on_log(None, _state(), None, logs={"objective/kl": 0.5, "lr": 1e-5})
+    callback.on_train_end(None, _state(), None)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_the_metrics_dict_is_printed_when_asked(capsys):
+    callback = update_progress(type("Args", (), {"disable_tqdm": True, "print_metrics_dict": True})())
+    assert (callback.show_bar, callback.print_dicts) == (False, True)
+    callback.on_train_begin(None, _state(), None)
+    callback.on_log(None, _state(), None, logs={"objective/kl": 0.5, "total_flos": 0.0})
+    callback.on_log(None, _state(zero=False), None, logs={"objective/kl": 9.0})  # other processes print nothing
+    assert capsys.readouterr().out == "{'objective/kl': 0.5}\n"
 
 
 def test_console_line_shows_each_reward_and_the_held_out_figures():

@@ -21,3 +21,12 @@ def test_order_does_not_touch_the_global_rng():
     state = torch.random.get_rng_state()
     list(EpochSeededSampler(5, seed=0))
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_without_shuffling_every_epoch_is_the_datasets_order():
+    """PPOConfig.shuffle_dataset=False (TRL GRPO's field): the prompts in their order."""
+    s = EpochSeededSampler(5, seed=3, shuffle=False)
+    assert list(s) == [0, 1, 2, 3, 4]
+    s.set_epoch(2)
+    assert list(s) == [0, 1, 2, 3, 4] and len(s) == 5
+    assert list(EpochSeededSampler(5, seed=3)) != [0, 1, 2, 3, 4]  # the default shuffles (seed 3: a permutation)

@@ -9,6 +9,7 @@ from peft import LoraConfig
 
 from trl_ppo_ext import functional as F
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -70,8 +71,8 @@ def test_a_single_turn_rollout_func_trains_bitwise_as_the_trainers_own_sampling(
     assert all(torch.equal(a[k], b[k]) for k in a)
     logs = [[h for h in t.state.log_history if "objective/scores" in h] for t in (own, funcs)]
     turns = {"rollout/turns_mean", "rollout/env_token_frac", "rollout/ends_on_env_frac"}
-    assert [{k: v for k, v in h.items() if k not in turns | {"eps"}} for h in logs[0]] == \
-        [{k: v for k, v in h.items() if k not in turns | {"eps"}} for h in logs[1]]
+    assert [{k: v for k, v in h.items() if k not in turns | set(TIMING_KEYS)} for h in logs[0]] == \
+        [{k: v for k, v in h.items() if k not in turns | set(TIMING_KEYS)} for h in logs[1]]
 
 
 def test_a_reward_function_placing_a_reward_on_an_environment_token_is_an_error(make_trainer):
@@ -174,3 +175,32 @@ def test_episodes_train_the_shared_lora_actor_critic(make_trainer, assert_metric
     after = dict(model.named_parameters())
     assert not torch.equal(after["value_head.weight"], before["value_head.weight"])
     assert any(not torch.equal(after[n], v) for n, v in before.items() if "lora_B" in n)
+
+
+@pytest.mark.slow
+def test_a_grpo_rollout_func_samples_with_trainer_model_generate(make_trainer):
+    """TRL's docs' rollout_func without vLLM: tokenize, then `trainer.model.generate` (here also through
+    `accelerator.unwrap_model`), then return ids and log-probs. trainer.model is the policy+critic
+    module; its generate is the policy's."""
+    tok = build_tiny_tokenizer()
+    used = []
+
+    def rollout_func(prompts, trainer):
+        device = trainer.accelerator.device
+        prompt_ids, completion_ids = [], []
+        for i, prompt in enumerate(prompts):
+            ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            model = trainer.model if i % 2 else trainer.accelerator.unwrap_model(trainer.model)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=True,
+                                 pad_token_id=tok.pad_token_id)
+            used.append(type(model).__name__)
+            prompt_ids.append(ids[0].tolist())
+            completion_ids.append(out[0, ids.shape[1]:].tolist())
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": [[0.0] * len(c) for c in completion_ids]}
+
+    trainer = make_trainer(tok, rollout_func=rollout_func, reward_funcs=[_length_reward], reward_model=None,
+                           max_steps=1)
+    trainer.train()
+    assert used and set(used) == {"PolicyAndValue"}
+    assert [h for h in trainer.state.log_history if "objective/scores" in h]

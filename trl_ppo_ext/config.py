@@ -53,8 +53,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
     ``min_explained_variance``, ``kl_max``, ``max_clip_fraction``, ``reward_hacking_metric``, ...),
     TRL GRPO's vLLM fields of [`trl_ppo_ext.generation.arguments.VLLMArguments`] (``use_vllm``,
     ``vllm_mode``, ``vllm_importance_sampling_correction``, ...; see docs/vllm.md), GRPO's names
-    for four PPO fields (``max_completion_length``, ``num_iterations``, ``epsilon``,
-    ``epsilon_high``; [`trl_ppo_ext.grpo_names`]), plus:
+    for five PPO fields (``max_completion_length``, ``num_iterations``, ``epsilon``,
+    ``epsilon_high``, ``delta``) and GRPO's own fields that carry over (the sampling filters
+    ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``;
+    ``log_completions``, ``shuffle_dataset``, ...; [`trl_ppo_ext.grpo_names`]), plus:
 
     Parameters:
         entropy_coef (`float`, defaults to `0.0`):
@@ -86,6 +88,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         reward_weights (`list[float]` or `None`, defaults to `None`):
             One weight per reward -- ``reward_model`` first, then each of the trainer's
             ``reward_funcs`` -- in the combined score; None: 1 each.
+        print_metrics_dict (`bool`, defaults to `False`):
+            Also print each logged metrics dict on the console, as transformers does; by default
+            the console gets one readable line per logged update (``reporting.console_line``), and
+            the tqdm bar only on a terminal.
         step_separator (`str`, defaults to `"\\n"`):
             A process reward model's step separator (TRL ``PRMTrainerConfig.step_separator``): a
             token-classification ``reward_model`` (or model in ``reward_funcs``) scores each step at
@@ -215,6 +221,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         },
     )
 
+    print_metrics_dict: bool = field(
+        default=False,
+        metadata={"help": "Print every logged metrics dict on the console (transformers' default) below the one "
+            "readable line per logged update; False: that line only (the trackers and log_history get every key "
+            "either way)."},
+    )
+
     on_sigterm: Literal["save_and_exit", "save_and_return", "off"] = field(
         default="save_and_exit",
         metadata={
@@ -313,6 +326,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         # "bf16 where the hardware has it": True on a bf16-capable CUDA device, else False.
         if self.bf16 is None and not self.fp16 and not _bf16_available():
             self.bf16 = False
+        self.check_grpo_fields()
         super().__post_init__()  # TRL's and transformers' checks (they do not chain to GuardSettings)
         GuardSettings.__post_init__(self)
         self._read_recipe_values()

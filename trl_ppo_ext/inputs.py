@@ -15,7 +15,8 @@ same place, and renders the dataset's ``prompt`` column itself. These functions 
   ``messages``) column -> rendered with the chat template (``data.render_prompts``); the
   ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is.
 
-``trust_remote_code`` is never set here: pass it in ``model_init_kwargs`` when you mean it.
+``trust_remote_code`` is set only when the config asks: in ``model_init_kwargs``, where
+``PPOConfig(trust_remote_code=True)`` (GRPO's field) puts it.
 
 Example:
 
@@ -90,10 +91,12 @@ def load_policy(model, args):
     return AutoModelForCausalLM.from_pretrained(source, **model_init_kwargs(args))
 
 
-def load_processing_class(processing_class, model):
+def load_processing_class(processing_class, model, trust_remote_code: bool = False):
     """``processing_class``, or for ``None`` the policy's tokenizer (``AutoTokenizer`` from the
-    folder or id the policy was loaded from), given the EOS as pad token when it has none (as
-    GRPO does: the response mask here never reads the pad id, so pad == EOS is safe)."""
+    folder or id the policy was loaded from, with ``trust_remote_code``: the config's
+    ``model_init_kwargs.get("trust_remote_code")``), given the
+    EOS as pad token when it has none (as GRPO does: the response mask here never reads the pad id,
+    so pad == EOS is safe)."""
     if processing_class is not None:
         return processing_class
     source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
@@ -104,7 +107,7 @@ def load_processing_class(processing_class, model):
         )
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, **({"trust_remote_code": True} if trust_remote_code else {}))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -225,7 +228,8 @@ def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, tr
     (:func:`load_reward_models`), both datasets (:func:`prompt_dataset`) and the critic
     (:func:`value_model_or_default`; none is made when ``args.advantage_estimator`` reads no value)."""
     model = load_policy(model, args)
-    processing_class = load_processing_class(processing_class, model)
+    processing_class = load_processing_class(processing_class, model,
+                                             bool(model_init_kwargs(args).get("trust_remote_code", False)))
     reward_model, reward_funcs = load_reward_models(reward_model, reward_funcs, args)
     train_dataset, eval_dataset = (
         prompt_dataset(dataset, processing_class, response_length=args.response_length,

@@ -78,8 +78,14 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-from .batching import BatchPlan
+if TYPE_CHECKING:  # the CLI's --help and the arithmetic import no torch (batching does)
+    from .batching import BatchPlan
+
+# advantage_estimator's values (estimators.ESTIMATORS, which imports the trainer's stack: seconds
+# before --help could answer); tests/test_memory.py checks they are the same names.
+ESTIMATOR_CHOICES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -311,6 +317,8 @@ class PPORun:
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             num_mini_batches=self.num_mini_batches, num_ppo_epochs=1, total_episodes=batch,
         )
+        from .batching import BatchPlan
+
         return BatchPlan.from_config(sizes, world_size=1, dataset_len=batch)
 
     @property
@@ -845,7 +853,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape.add_argument("--reward-preset", choices=sorted(PRESETS), help="reward model shape (default: the policy's)")
     shape.add_argument("--reward-config", help="reward model config.json (default: the policy's shape)")
     run = parser.add_argument_group("run (PPOConfig names)")
-    defaults = PPORun()
+    defaults = PPORun  # the class: its field defaults, without building (and checking) a run
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "prompt_length", "response_length", "lora_r"):
         run.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
@@ -858,9 +866,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="TRL's four models (policy and value trained in full) instead of the shared LoRA model")
     run.add_argument("--lora-target-modules", default=",".join(defaults.lora_target_modules),
                      help="comma-separated names, or all-linear")
-    from .estimators import ESTIMATORS  # its choices; the rest of this module needs none of the trainer
-
-    run.add_argument("--advantage-estimator", choices=ESTIMATORS, default="gae",
+    run.add_argument("--advantage-estimator", choices=ESTIMATOR_CHOICES, default="gae",
                      help="gae trains a critic; grpo, rloo, reinforce_pp and reinforce_pp_baseline have none, and "
                           "the estimate counts no value head or value model")
     run.add_argument("--offload-reward-model", action="store_true")

@@ -100,15 +100,53 @@ def update_metrics(
     rollout: Rollout, targets, stats: dict[str, torch.Tensor], *, gather: Gather, device: torch.device | str,
 ) -> dict[str, float]:
     """:func:`update_statistics` averaged over every process (one ``gather`` for all of
-    them) and ``val/ratio_max``, the largest ratio of any process (a second one)."""
+    them), :func:`sequence_metrics` over every process's responses (a second one), and
+    ``val/ratio_max``, the largest ratio of any process (a third)."""
     local = update_statistics(rollout, targets, stats)
     names = list(local)
     values = torch.stack([local[k].float().to(device) for k in names])
     means = gather(values[None]).reshape(-1, len(names)).mean(0)
+    per_row = torch.stack([rollout.loss_mask.sum(1).float(), rollout.has_stop.float(), rollout.scores.float(),
+                           (rollout.query_mask.sum(1) + rollout.response_mask.sum(1)).float()], dim=1)
+    rows = gather(per_row.to(device))  # (world * B, 4): each process's rows in turn
     ratio_max = gather(stats["ratio_max"].max()[None].to(device)).max()
     metrics = {k: float(v) for k, v in zip(names, means.tolist())}
+    metrics.update(sequence_metrics(rows[:, 0], rows[:, 1].bool(), rows[:, 2], rows[:, 3]))
     metrics["val/ratio_max"] = float(ratio_max)
     return metrics
+
+
+def sequence_metrics(lengths: torch.Tensor, stopped: torch.Tensor, scores: torch.Tensor,
+                     tokens: torch.Tensor) -> dict[str, float]:
+    """Figures over every response of the update, the ones TRL GRPO logs beside the means.
+
+    Args:
+        lengths: ``(N,)`` the policy's tokens per response (``rollout.loss_mask``). stopped:
+            ``(N,)`` bool, the response ended with a stop token. scores: ``(N,)`` the combined
+            score before ``missing_eos_penalty``. tokens: ``(N,)`` prompt + response tokens.
+    Returns:
+        ``val/response_length_min`` / ``_max``; ``val/terminated_length_mean`` / ``_min`` /
+        ``_max`` over the responses that stopped (0 when none did, as TRL); ``objective/scores_std``
+        (unbiased, TRL GRPO's ``reward_std``, which ``estimators.group_reward_metrics`` logs under
+        that name with groups; 0 for one response); ``val/num_tokens`` (their sum).
+
+    Example:
+        >>> out = sequence_metrics(torch.tensor([2., 3., 4., 3.]), torch.tensor([True, False, True, True]),
+        ...                        torch.tensor([1., 1., 1., 1.]), torch.tensor([5., 6., 7., 8.]))
+        >>> out["val/terminated_length_mean"], out["objective/scores_std"], out["val/num_tokens"]
+        (3.0, 0.0, 26.0)
+    """
+    terminated = lengths[stopped] if bool(stopped.any()) else torch.zeros(1, dtype=lengths.dtype)
+    out = {
+        "val/response_length_min": float(lengths.min()),
+        "val/response_length_max": float(lengths.max()),
+        "val/terminated_length_mean": float(terminated.mean()),
+        "val/terminated_length_min": float(terminated.min()),
+        "val/terminated_length_max": float(terminated.max()),
+        "objective/scores_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        "val/num_tokens": float(tokens.sum()),
+    }
+    return out
 
 
 @torch.no_grad()
@@ -219,6 +257,95 @@ def show_completions(df, report_to: Sequence[str] = ()) -> None:
 
         if wandb.run is not None:
             wandb.log({"completions": wandb.Table(dataframe=df)})
+
+
+def last_user_message(prompt) -> str:
+    """What a person reads as the question: the content of the last ``user`` message of a
+    conversation (a list of ``{"role", "content"}`` dicts; content parts' texts joined), or the
+    prompt itself when it is text.
+
+    Example:
+        >>> last_user_message([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}])
+        '2+2?'
+    """
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        return str(prompt[-1].get("content", "")) if prompt and isinstance(prompt[-1], dict) else str(prompt)
+    content = users[-1].get("content", "")
+    if isinstance(content, list):  # multimodal parts: their texts
+        content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def completion_rows(rollout: SampledBatch, tokenizer, reward_names: Sequence[str], *,
+                    reward_values: torch.Tensor | None = None, reward_applies: torch.Tensor | None = None,
+                    gather_object: Callable = lambda xs: xs):
+    """A ``pandas.DataFrame`` of a training rollout's completions, one row each, as TRL GRPO's
+    ``log_completions`` shows them: ``prompt`` (the last user message of the dataset's ``prompt``
+    column, or the decoded prompt ids without special tokens), ``completion`` (decoded without
+    special tokens) and one column per reward (NaN where it does not apply).
+
+    Args:
+        rollout: the rollout (its ``extras["prompt"]`` when the dataset had that column).
+        reward_names: the rewards' names, in the order of ``reward_values``' columns.
+        reward_values, reward_applies: ``(B, K)`` each reward's raw value and where it applies;
+            default: ``rollout.reward_values`` / ``rollout.reward_applies`` (None: no reward columns).
+        gather_object: accelerate's ``gather_object``, to take every process's rows.
+
+    Example:
+        >>> from trl_ppo_ext.tiny import build_tiny_tokenizer
+        >>> tok = build_tiny_tokenizer()  # w0=6, w1=7, <eos>=3
+        >>> batch = SampledBatch(queries=torch.tensor([[6]]), query_mask=torch.tensor([[True]]),
+        ...                      responses=torch.tensor([[7, 3]]), response_mask=torch.tensor([[True, True]]),
+        ...                      has_stop=torch.tensor([True]),
+        ...                      extras={"prompt": [[{"role": "user", "content": "w0"}]]})
+        >>> completion_rows(batch, tok, ["accuracy"], reward_values=torch.tensor([[1.0]]),
+        ...                 reward_applies=torch.tensor([[True]])).to_dict("records")
+        [{'prompt': 'w0', 'completion': 'w1', 'accuracy': 1.0}]
+    """
+    import pandas as pd
+
+    prompt_ids, completion_ids = valid_token_ids(rollout)
+    given = rollout.extras.get("prompt")
+    prompts = ([last_user_message(p) for p in given] if given is not None
+               else tokenizer.batch_decode(prompt_ids, skip_special_tokens=True))
+    table = {"prompt": gather_object(list(prompts)),
+             "completion": gather_object(tokenizer.batch_decode(completion_ids, skip_special_tokens=True))}
+    values = getattr(rollout, "reward_values", None) if reward_values is None else reward_values
+    applies = getattr(rollout, "reward_applies", None) if reward_applies is None else reward_applies
+    if values is not None:
+        values, applies = values.float().cpu(), applies.bool().cpu()
+        for k, name in enumerate(reward_names):
+            column = [float(v) if a else None for v, a in zip(values[:, k].tolist(), applies[:, k].tolist())]
+            table[name] = gather_object(column)
+    return pd.DataFrame(table)
+
+
+def print_completion_rows(df, *, step: int, num_to_print: int | None = None,
+                          report_to: Sequence[str] = ()) -> None:
+    """Print the first ``num_to_print`` rows of :func:`completion_rows` (None: all), one block per
+    row that reads top to bottom (question, completion, each reward), under the update's number;
+    the whole table goes to wandb (``"wandb"`` in ``report_to``, a run active) as ``completions``."""
+    shown = df if num_to_print is None else df.iloc[:num_to_print]
+    lines = [f"completions at update {step} ({len(shown)} of {len(df)}):"]
+    rewards = [c for c in df.columns if c not in ("prompt", "completion")]
+    for i, (prompt, completion, *values) in enumerate(shown.itertuples(index=False)):
+        lines.append(f"[{i}] prompt: {prompt}")
+        lines.append(f"    completion: {completion}")
+        if rewards:
+            lines.append("    " + " | ".join(f"{name} {_reward_text(v)}" for name, v in zip(rewards, values)))
+    print("\n".join(lines))
+    if "wandb" in report_to:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.log({"completions": wandb.Table(dataframe=df.assign(step=step))})
+
+
+def _reward_text(value) -> str:
+    return "-" if value is None or value != value else f"{value:.3f}"  # value != value: NaN
 
 
 def completions_table(batches: Iterable, sample: Callable[[dict], SampledBatch],

@@ -32,6 +32,7 @@ from transformers import GenerationConfig
 
 from . import functional as F
 from .batching import sorted_by_length
+from .generation.filters import RepetitionPenaltyProcessor, SamplingFilters, filtered_response_logits
 from .models.policy_value import lm_logits, score_at
 
 logger = logging.getLogger(__name__)
@@ -330,7 +331,8 @@ def forward_chunks(sample: SampledBatch, chunk_size: int, *, trim: bool = False,
     return ScoringChunks(chunks, order, sample.responses.shape[1])
 
 
-def forward_responses(model, inputs: tuple, response_length: int, temperature: float, autocast=nullcontext):
+def forward_responses(model, inputs: tuple, response_length: int, temperature: float, autocast=nullcontext,
+                      filters: SamplingFilters | None = None):
     """One forward of a policy/value module (``forward(...) -> (logits, values)``) on a chunk.
 
     Args:
@@ -338,27 +340,33 @@ def forward_responses(model, inputs: tuple, response_length: int, temperature: f
         inputs: ``(input_ids, attention_mask, position_ids)``, each ``(b, P + T)``.
         response_length: ``T``. temperature: the sampling temperature the logits are divided by.
         autocast: a context factory the forward runs in (the accelerator's mixed precision).
+        filters: the run's sampling filters (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``):
+            the logits become the filtered distribution's (``generation.filters``); None: plain.
     Returns:
         ``(logits (b, T, V), values (b, T) float32)``: the logits predicting each response token
-        and ``V(s_t)`` read at the same positions. The rollout and the update both use this, so
-        the first PPO ratio is exactly 1.
+        (of the distribution sampled from) and ``V(s_t)`` read at the same positions. The rollout
+        and the update both use this, so the first PPO ratio is exactly 1.
     """
     input_ids, attention_mask, position_ids = inputs
     with autocast():
         logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                logits_to_keep=response_length + 1)
-    return response_logits(logits, response_length, temperature), response_values(values, response_length)
+    logits = filtered_response_logits(response_logits(logits, response_length, temperature), input_ids,
+                                      attention_mask, filters)
+    return logits, response_values(values, response_length)
 
 
 def reference_response_logprobs(model, part: SampledBatch, inputs: tuple, temperature: float,
-                                autocast=nullcontext) -> torch.Tensor:
+                                autocast=nullcontext, filters: SamplingFilters | None = None) -> torch.Tensor:
     """``log pi_ref(a_t | s_t)`` ``(b, T)`` from a causal LM (a reference model, or the policy
     with its adapter disabled by the caller), at the sampling temperature; any value where
-    ``part.response_mask`` is False (the caller masks)."""
+    ``part.response_mask`` is False (the caller masks). ``filters``: the run's sampling filters
+    (``generation.filters``), for a reference as for the sampler's own log-probs; None: plain."""
     T = part.responses.shape[1]
     with autocast():
         logits = lm_logits(model, *inputs, logits_to_keep=T + 1)
-    return F.logprobs_from_logits(response_logits(logits, T, temperature), part.valid_responses)
+    logits = filtered_response_logits(response_logits(logits, T, temperature), inputs[0], inputs[1], filters)
+    return F.logprobs_from_logits(logits, part.valid_responses)
 
 
 def reward_model_scores(model, part: SampledBatch, inputs: tuple, autocast=nullcontext) -> torch.Tensor:
@@ -431,28 +439,31 @@ def generation_pad_id(pad_token_id: int, stop_ids: tuple, num_embeddings: int) -
     return 0
 
 
-def sampling_config(response_length: int, stop_ids: tuple, pad_id: int, temperature: float) -> GenerationConfig:
-    """The complete generation settings of a rollout: pure sampling at ``temperature`` of up to
-    ``response_length`` tokens, stopping at ``stop_ids``. Every setting that shapes the
-    sampling distribution is neutral, so the samples come from the distribution that
-    ``log pi_old`` is computed under (see :func:`isolated_generation_config`)."""
+def sampling_config(response_length: int, stop_ids: tuple, pad_id: int, temperature: float,
+                    filters: SamplingFilters | None = None, cache_implementation: str | None = None,
+                    ) -> GenerationConfig:
+    """The complete generation settings of a rollout: sampling at ``temperature`` of up to
+    ``response_length`` tokens, stopping at ``stop_ids``, through the run's ``filters`` (top-k,
+    top-p, min-p; the repetition penalty is :func:`generate_responses`'s processor). Every other
+    setting that shapes the sampling distribution is neutral, so the samples come from the
+    distribution that ``log pi_old`` is computed under (see :func:`isolated_generation_config`).
+    ``cache_implementation``: transformers' KV-cache kind (TRL GRPO's field; no effect on the samples)."""
+    filters = filters or SamplingFilters()
     return GenerationConfig(
         max_new_tokens=response_length,
         min_new_tokens=0,
         do_sample=True,
         temperature=effective_temperature(temperature),
-        top_k=0,
-        top_p=1.0,
-        min_p=None,
+        **filters.generation_fields(),  # top_k, top_p, min_p; repetition_penalty=1.0
         typical_p=1.0,
         epsilon_cutoff=0.0,
         eta_cutoff=0.0,
-        repetition_penalty=1.0,
         no_repeat_ngram_size=0,
         num_beams=1,
         eos_token_id=list(stop_ids) or None,
         pad_token_id=pad_id,
         use_cache=True,
+        cache_implementation=cache_implementation,
     )
 
 
@@ -483,22 +494,26 @@ def isolated_generation_config(model: torch.nn.Module):
 @torch.no_grad()
 def generate_responses(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, generation_config: GenerationConfig,
-    response_length: int, pad_token_id: int, chunk_size: int,
+    response_length: int, pad_token_id: int, chunk_size: int, filters: SamplingFilters | None = None,
 ) -> torch.Tensor:
     """Sample responses in chunks of ``chunk_size`` prompts; ``(B, T)`` padded with the pad id.
 
     Generation may stop before ``T`` tokens when every row of a chunk has finished; the
     missing columns are filled with ``pad_token_id`` (they are masked out later anyway).
+    ``filters``: its ``repetition_penalty`` (the other filters are ``generation_config``'s, see
+    :func:`sampling_config`), over each row's real prompt tokens and its new tokens.
     """
+    penalty = 1.0 if filters is None else filters.repetition_penalty
     context_length = queries.shape[1]
     out = torch.full((queries.shape[0], response_length), pad_token_id, dtype=queries.dtype, device=queries.device)
     for start in range(0, queries.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         mask = query_mask[rows]
         with isolated_generation_config(policy):
+            processors = [RepetitionPenaltyProcessor(penalty, mask)] if penalty != 1.0 else None
             seq = policy.generate(
                 input_ids=queries[rows].masked_fill(~mask, 0), attention_mask=mask.long(),
-                generation_config=generation_config,
+                generation_config=generation_config, logits_processor=processors,
             )
         new = seq[:, context_length : context_length + response_length]
         out[rows, : new.shape[1]] = new
@@ -549,8 +564,9 @@ def generation_stop_ids(args, tokenizer, policy) -> tuple:
     if ignored:
         logger.warning(
             "The policy's generation_config sets %s; PPO ignores these: the samples must come from the "
-            "distribution the log-probs are computed under (plain sampling at PPOConfig.temperature). Remove "
-            "them from generation_config.json to silence this.",
+            "distribution the log-probs are computed under (PPOConfig.temperature, top_k, top_p, min_p and "
+            "repetition_penalty; set those to sample with them). Remove them from generation_config.json to "
+            "silence this.",
             ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())),
         )
     if args.temperature == 0:

@@ -22,17 +22,20 @@ from torch.utils.data import Sampler
 
 
 class EpochSeededSampler(Sampler[int]):
-    """Indices ``0..n-1`` in the order ``randperm(n, generator=manual_seed(seed + epoch))``."""
+    """Indices ``0..n-1`` in the order ``randperm(n, generator=manual_seed(seed + epoch))``;
+    with ``shuffle=False`` (TRL GRPO's ``shuffle_dataset=False``) in the dataset's order, every epoch."""
 
-    def __init__(self, num_samples: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True) -> None:
         if num_samples < 1:
             raise ValueError(f"EpochSeededSampler needs at least one sample, got num_samples={num_samples}.")
-        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+        self.num_samples, self.seed, self.epoch, self.shuffle = num_samples, seed, 0, shuffle
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.num_samples))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return iter(torch.randperm(self.num_samples, generator=generator).tolist())
 

@@ -707,3 +707,25 @@ def test_without_a_critic_save_and_load_round_trip(tok, ids, tmp_path):
     loaded = SharedActorCritic.from_pretrained(build_tiny_causal_lm(tok, seed=4), tmp_path)
     assert not loaded.has_value
     assert torch.equal(loaded(ids)[0], model(ids)[0])
+
+
+def test_generate_samples_with_the_policy_adapter_whichever_is_active():
+    """`trainer.model.generate` on the shared layout is the PeftModel's with the policy adapter, even
+    while the value adapter is the active one; the active adapter is left as it was."""
+    tok = build_tiny_tokenizer()
+    ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=small_lora(),
+                           value_lora_config=small_lora()).eval()
+    torch.manual_seed(5)
+    with torch.no_grad():  # a policy adapter that changes the greedy tokens (LoRA B starts at 0)
+        for name, param in ac.policy.named_parameters():
+            if "lora_B" in name and ac.policy_adapter in name:
+                param.normal_(0, 2.0)
+    ids = torch.tensor([[7, 8, 9]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    expected = ac.policy.generate(ids, **kwargs)  # the policy adapter is active
+    with ac.policy.disable_adapter():
+        base = ac.policy.generate(ids, **kwargs)
+    assert not torch.equal(expected, base)  # the adapter matters for these tokens
+    ac.policy.set_adapter(ac.value_adapter)
+    assert torch.equal(ac.generate(ids, **kwargs), expected)
+    assert ac.policy.active_adapter == ac.value_adapter

@@ -111,3 +111,18 @@ def test_a_policy_without_a_value_model_runs_the_policy_only():
     assert pv.is_gradient_checkpointing
     pv.gradient_checkpointing_disable()
     assert not pv.is_gradient_checkpointing
+
+
+def test_generate_on_the_wrapper_is_the_policys_generate():
+    """A GRPO rollout_func samples with `trainer.model.generate`: the wrapper hands it to the policy
+    (before: AttributeError: 'PolicyAndValue' object has no attribute 'generate')."""
+    tok = build_tiny_tokenizer()
+    policy = build_tiny_causal_lm(tok, seed=3)
+    pv = PolicyAndValue(policy, build_tiny_scorer(tok)).eval()
+    ids = torch.tensor([[7, 8, 9]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(pv.generate(ids, **kwargs), policy.generate(ids, **kwargs))
+    assert pv.generation_config is policy.generation_config
+    assert (pv.device, pv.dtype) == (torch.device("cpu"), torch.float32)
+    critic_free = PolicyAndValue(policy, None)
+    assert torch.equal(critic_free.generate(ids, **kwargs), policy.generate(ids, **kwargs))

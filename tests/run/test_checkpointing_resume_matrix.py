@@ -21,6 +21,7 @@ from peft import LoraConfig
 
 from trl_ppo_ext import PPOConfig, PPOTrainer
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.run.checkpointing import isolated_rng
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer, random_word_prompts
 
@@ -58,7 +59,8 @@ def trainable(trainer):
 
 
 def update_logs(trainer):
-    return [{k: v for k, v in h.items() if k != "eps"} for h in trainer.state.log_history if "objective/scores" in h]
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in trainer.state.log_history
+            if "objective/scores" in h]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["shared", "value_adapter"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trl_ppo_ext import PPOTrainer
+from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.run.preemption import InflightUpdate, SigtermWatcher, inflight_filename
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
@@ -142,7 +143,8 @@ def _params(trainer):
 
 
 def _logs(trainer):
-    return [{k: v for k, v in h.items() if k != "eps"} for h in trainer.state.log_history if "objective/scores" in h]
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in trainer.state.log_history
+            if "objective/scores" in h]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from trl_ppo_ext.reporting import TIMING_KEYS
+
 
 def differences(out: Path) -> list[str]:
     a = torch.load(out / "final_params_straight.pt")
@@ -22,8 +24,10 @@ def differences(out: Path) -> list[str]:
         problems.append(f"parameter names differ: {sorted(set(a) ^ set(b))[:5]}")
     problems += [f"parameter {k} differs (max |diff| {(a[k] - b[k]).abs().max():.3g})"
                  for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
-    logs_a = [{k: v for k, v in h.items() if k != "eps"} for h in json.loads((out / "logs_straight.json").read_text())]
-    logs_b = [{k: v for k, v in h.items() if k != "eps"} for h in json.loads((out / "logs_resume.json").read_text())]
+    logs_a = [{k: v for k, v in h.items() if k not in TIMING_KEYS}
+              for h in json.loads((out / "logs_straight.json").read_text())]
+    logs_b = [{k: v for k, v in h.items() if k not in TIMING_KEYS}
+              for h in json.loads((out / "logs_resume.json").read_text())]
     if logs_a != logs_b:
         problems.append(f"log history differs ({len(logs_a)} vs {len(logs_b)} entries)")
     return problems

@@ -55,6 +55,7 @@ from tiny_setup import (  # beside this file
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
 from trl_ppo_ext.models.sharding import full_state, zero_stage
+from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
@@ -153,7 +154,7 @@ def resume_check(tok, models, opts, main, checkpoint: int) -> dict:
     again = build_trainer(tok, models, opts, run_dir, opts.shared)
     again.train(resume_from_checkpoint=str(opts.out / (opts.run_dir or opts.tag) / "out" / f"checkpoint-{checkpoint}"))
     a, b = trainable_params(main), trainable_params(again)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "eps"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
     return {"params_equal": all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys(),
             "logs_equal": strip(logs(main))[checkpoint:] == strip(logs(again))[checkpoint:]}
 

@@ -52,14 +52,24 @@ def check_vllm_temperature(temperature: float) -> None:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """What every rollout request asks for: pure sampling at ``temperature`` of at most
-    ``max_tokens`` tokens, ending at the first of ``stop_token_ids`` (kept in the completion).
-    No top-k/top-p/penalty: the samples must come from the distribution ``log pi_old`` is
-    computed under (see ``rollout.sampling_config``)."""
+    """What every rollout request asks for: sampling at ``temperature`` of at most ``max_tokens``
+    tokens, ending at the first of ``stop_token_ids`` (kept in the completion), through the run's
+    sampling filters (``generation.filters.SamplingFilters.engine_fields``: vLLM's values, neutral
+    by default). The trainer's forwards apply the same filters, so ``log pi_old`` is the log-prob of
+    the distribution sampled from. Nothing else that shapes the distribution is sent."""
 
     max_tokens: int
     temperature: float
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0  # 0: off (vLLM's "all tokens")
+    top_p: float = 1.0
+    min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0
+
+    def filter_params(self) -> dict:
+        """The filter fields as vLLM's ``SamplingParams`` / ``/v1/completions`` take them."""
+        return {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty}
 
 
 def check_engine_context(args, prompt_lengths: Sequence[int], where: str = "train_dataset") -> None:

@@ -338,7 +338,7 @@ class VLLMColocateEngine(GenerationEngine):
         self.wake_up()
         seeds = request_seeds(len(prompts), generator)
         params = [SamplingParams(
-            n=1, temperature=settings.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+            n=1, temperature=settings.temperature, **settings.filter_params(),
             max_tokens=settings.max_tokens, min_tokens=0, stop_token_ids=list(settings.stop_token_ids),
             ignore_eos=True,  # only the rollout's stop ids end a response, as in the transformers path
             logprobs=0, seed=seed, detokenize=False,

@@ -124,11 +124,12 @@ class VLLMServerEngine(GenerationEngine):
         return _with_retries(lambda: _http_json(url, payload, self.timeout), self.retries, self.backoff)
 
     def completion_payload(self, prompt: list[int], settings: SamplingSettings, seed: int) -> dict:
-        """The ``/v1/completions`` request of one prompt: pure sampling, the sampled token's
-        log-prob, ids in and out, stopping at the rollout's stop ids only."""
+        """The ``/v1/completions`` request of one prompt: sampling at the temperature through the
+        run's filters, the sampled token's log-prob, ids in and out, stopping at the rollout's stop
+        ids only."""
         return {
             "model": self.model_name, "prompt": prompt, "n": 1, "max_tokens": settings.max_tokens,
-            "temperature": settings.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "temperature": settings.temperature, **settings.filter_params(),
             "min_tokens": 0, "stop_token_ids": list(settings.stop_token_ids), "ignore_eos": True, "logprobs": 0,
             "seed": seed, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }

@@ -41,6 +41,7 @@ from torch import nn
 
 from .fsdp import is_fsdp2_model, unit_class_names
 from .policy_value import (
+    GeneratesWithPolicy,
     disable_checkpointing,
     enable_checkpointing,
     is_checkpointing,
@@ -109,7 +110,7 @@ def _new_value_head(hidden_size: int, device: torch.device) -> nn.Linear:
     return head
 
 
-class SharedActorCritic(nn.Module):
+class SharedActorCritic(GeneratesWithPolicy, nn.Module):
     """Policy (LoRA on a frozen base), reference (adapter off) and critic on one backbone.
 
     ``forward`` runs the policy once with ``output_hidden_states=True`` and applies the
@@ -128,6 +129,10 @@ class SharedActorCritic(nn.Module):
     that was active when it ran forward (torch's non-reentrant ``context_fn``); gradients are
     those without checkpointing, bit for bit. Reentrant checkpointing has no such hook and is
     refused with a value adapter.
+
+    ``generate`` (and ``generation_config``, ``device``, ``dtype``) are the policy's: the
+    PeftModel ``.policy`` with the policy adapter active, whichever adapter was active before
+    (a GRPO ``rollout_func`` calls ``trainer.model.generate``).
 
     Args:
         base_model: a causal LM (``transformers`` ``*ForCausalLM``), plain or 4-bit; or a
@@ -300,6 +305,10 @@ class SharedActorCritic(nn.Module):
                             use_cache=False).hidden_states[-1]
             return backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False).last_hidden_state
+
+    def _policy_active(self):
+        """The policy adapter active in the block (``generate``)."""
+        return self._active_adapter(self.policy_adapter)
 
     @contextlib.contextmanager
     def _active_adapter(self, name: str) -> Iterator[None]:

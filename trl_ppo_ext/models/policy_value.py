@@ -16,6 +16,7 @@ False
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -119,7 +120,40 @@ def lm_logits(model: nn.Module, input_ids, attention_mask, position_ids, logits_
     return model(**kwargs).logits
 
 
-class PolicyAndValue(nn.Module):
+class GeneratesWithPolicy:
+    """What a GRPO ``rollout_func`` reads on ``trainer.model`` (the policy+critic module) to sample
+    without vLLM, delegated to the causal LM ``self.policy``: ``generate``, ``generation_config``,
+    ``device`` and ``dtype``. ``trainer.model.generate(...)`` and
+    ``trainer.accelerator.unwrap_model(trainer.model).generate(...)`` then sample from the policy
+    being trained, with its adapter active (:meth:`_policy_active`). Mixed into
+    :class:`PolicyAndValue` and ``SharedActorCritic``; the causal LM itself is ``.policy``."""
+
+    def _policy_active(self):
+        """The block in which ``self.policy`` computes the policy (nothing to switch by default)."""
+        return contextlib.nullcontext()
+
+    def generate(self, *args, **kwargs):
+        """``self.policy.generate(*args, **kwargs)``: transformers' ``generate`` of the policy."""
+        with self._policy_active():
+            return self.policy.generate(*args, **kwargs)
+
+    @property
+    def generation_config(self):
+        """The policy's ``generation_config`` (the trainer's own rollouts set theirs in full)."""
+        return self.policy.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the policy's first parameter (transformers' ``model.device``)."""
+        return next(self.policy.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the policy's first floating-point parameter (transformers' ``model.dtype``)."""
+        return next(p.dtype for p in self.policy.parameters() if p.is_floating_point())
+
+
+class PolicyAndValue(GeneratesWithPolicy, nn.Module):
     """A policy causal LM and a separate value model behind one ``forward`` (TRL's set-up).
 
     ``forward`` returns ``(logits (B, L, V), values (B, L))`` like ``SharedActorCritic``, so the
@@ -128,6 +162,10 @@ class PolicyAndValue(nn.Module):
     ``value_model=None`` is the critic-free policy (an advantage estimator that reads no value:
     GRPO, RLOO, REINFORCE++): no value parameters at all, and ``forward`` runs the policy only
     and returns values of 0.
+
+    ``generate`` (and ``generation_config``, ``device``, ``dtype``) are the policy's
+    (:class:`GeneratesWithPolicy`), so a GRPO ``rollout_func`` that calls ``trainer.model.generate``
+    samples from the policy.
     """
 
     is_actor_critic = False
