@@ -73,3 +73,50 @@ def test_logging_steps_thins_the_log_and_keeps_the_last_update(tmp_path, saved_m
     trainer.train()
     steps = [h["step"] for h in trainer.state.log_history if "objective/scores" in h]
     assert steps == [2, 4, 5]
+
+
+def test_a_grpo_script_logs_grpos_keys_samples_through_its_filters_and_prints_its_completions(
+        tmp_path, saved_model, caplog, capsys):
+    """The same script with GRPO's sampling and logging knobs: ``top_k=1`` samples the argmax, so
+    every sampled token has log-probability 0 under the filtered distribution the update scores
+    (the ratio is exactly 1 and the KL to the equally filtered reference 0); GRPO's metric names
+    reach ``log_history`` and TensorBoard; ``log_completions`` prints the rollout's rows; the
+    GRPO-style configuration gets its one warning about PPO's defaults."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trl_ppo_ext import PPOConfig, PPOTrainer
+
+    args = PPOConfig(
+        output_dir=str(tmp_path / "out"), max_completion_length=6, max_steps=2, logging_steps=1,
+        per_device_train_batch_size=4, learning_rate=1e-3, report_to="tensorboard",
+        bf16=False, save_strategy="no", disable_tqdm=True, top_k=1, log_completions=True, num_completions_to_print=2,
+    )
+    with caplog.at_level("WARNING", logger="trl_ppo_ext.trainer"):
+        trainer = PPOTrainer(model=saved_model, reward_funcs=[exact_answer], args=args, train_dataset=_dataset())
+    assert sum("GRPO" in r.getMessage() for r in caplog.records) == 1
+    output = trainer.train()
+
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2
+    grpo_keys = {"reward", "reward_std", "completions/mean_length", "completions/min_length",
+                 "completions/max_length", "completions/clipped_ratio", "entropy", "grad_norm", "learning_rate",
+                 "loss", "num_tokens", "step_time", "clip_ratio/low_mean", "clip_ratio/high_mean", "kl"}
+    assert grpo_keys <= set(logs[-1]), grpo_keys - set(logs[-1])
+    for log in logs:
+        assert log["val/ratio"] == 1.0  # argmax sampled, argmax scored: log pi = 0 before and after the step
+        assert log["kl"] == 0.0 and log["objective/kl"] == 0.0
+        assert log["reward"] == log["objective/scores_before_penalty"]
+    assert logs[1]["num_tokens"] > logs[0]["num_tokens"] > 0  # tokens so far, as GRPO counts them
+    assert output is None or output.global_step == 2 and output.metrics["train_loss"] == output.training_loss
+
+    (run,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {f"train/{key}" for key in ("reward", "entropy", "completions/mean_length", "num_tokens")} <= tags
+
+    printed = capsys.readouterr().out
+    for update in (1, 2):  # num_completions_to_print of the rollout's 4 rows, each with its reward
+        block = printed.split(f"completions at update {update} (2 of 4):")[1].split("completions at update")[0]
+        assert block.count("completion: ") == 2 and block.count("\n    exact_answer ") == 2, block

@@ -36,7 +36,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import GradientAccumulationPlugin, gather_object
 from peft import PeftModel
 from torch import nn
@@ -44,8 +44,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
-from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+from transformers.trainer import DEFAULT_CALLBACKS
+from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from . import critic_warmup, inputs
 from . import functional as F
@@ -66,14 +66,18 @@ from .episodes import continuation_rows, episode_has_stop, pad_episodes, padded_
 from .estimators import estimator_settings, estimator_targets, group_reward_metrics
 from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
+from .generation.filters import SamplingFilters
 from .generation.mismatch import sampling_weights
 from .gradients import clip_gradients, skip_scaler_step
+from .grpo_names import grpo_defaults_warning, grpo_metrics
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
 from .metrics import (
     checked_eval_metrics,
+    completion_rows,
     completions_table,
     evaluation_row,
+    print_completion_rows,
     reward_statistics,
     sampling_metrics,
     show_completions,
@@ -89,7 +93,7 @@ from .models.prepare import (
     warn_low_precision_trainables,
 )
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
-from .reporting import console_line, log_due, with_backend_keys
+from .reporting import console_line, log_due, update_progress, with_backend_keys
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel, with_process_reward_models
 from .rewards.scoring import (
@@ -237,6 +241,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
         self.model_adapter_name, self.ref_adapter_name = args.model_adapter_name, args.ref_adapter_name
         self.stop_token_ids = generation_stop_ids(args, processing_class, wrapper.policy)
+        grpo_signs = tuple(name for name, given in (("rollout_func", rollout_func), ("tools", tools),
+                                                    ("environment_factory", environment_factory)) if given)
+        if reward_funcs and reward_model is None:
+            grpo_signs += ("reward_funcs without a reward_model",)
+        warning = grpo_defaults_warning(args, grpo_signs)  # a GRPO script inherits PPO's defaults: say which
+        if warning and PartialState().is_main_process:
+            logger.warning(warning)
         assembly.apply_gradient_checkpointing(wrapper, args)
         warn_low_precision_trainables(wrapper)
         max_positions = getattr(wrapper.config, "max_position_embeddings", None)
@@ -370,7 +381,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.callback_handler = CallbackHandler(
             self.callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
         )
-        self.add_callback(PrinterCallback if self.args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        self.add_callback(update_progress(self.args))  # one line per logged update; the dict when asked
         self.control = TrainerControl()
         self.state = OnlineTrainerState(
             is_local_process_zero=self.is_local_process_zero(),
@@ -398,7 +409,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.dataloader = DataLoader(
             self.train_dataset,
             batch_size=self.local_dataloader_batch_size,
-            sampler=EpochSeededSampler(len(self.train_dataset), self.args.seed),
+            sampler=EpochSeededSampler(len(self.train_dataset), self.args.seed, shuffle=self.args.shuffle_dataset),
             collate_fn=self.data_collator,
             drop_last=True,  # every rollout batch has the same size
             # Each new iterator draws a worker seed; from its own generator, not the global RNG,
@@ -466,6 +477,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def temperature(self) -> float:
         """The temperature log-probs are taken at: ``args.temperature`` (0 means near-greedy)."""
         return effective_temperature(self.args.temperature)
+
+    @property
+    def sampling_filters(self) -> SamplingFilters:
+        """The run's ``top_k``, ``top_p``, ``min_p`` and ``repetition_penalty`` (``generation_kwargs``
+        included): every sampler uses them, and ``response_forward`` scores the filtered distribution."""
+        return SamplingFilters.from_config(self.args)
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -561,9 +578,22 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if not (all_skipped or warming):  # the policy did not move: the KL seen says nothing about the coefficient
             self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
         self.log_update(metrics)
+        if self.args.log_completions and log_due(self.state.global_step, self.state.max_steps,
+                                                 self.state.logging_steps, self.args.logging_first_step):
+            self.log_completions(rollout)
         if not decision.halt:
             self._end_update(update)
         return decision
+
+    def log_completions(self, rollout: Rollout) -> None:
+        """TRL GRPO's ``log_completions``: this rollout's rows (every process's) as the last user
+        message, the completion and each reward, ``num_completions_to_print`` of them printed, the
+        table to wandb (``metrics.completion_rows``, ``print_completion_rows``)."""
+        rows = completion_rows(rollout, self.processing_class, [r.name for r in self.rewards],
+                               gather_object=gather_object)
+        if self.is_world_process_zero():
+            print_completion_rows(rows, step=self.state.global_step, num_to_print=self.args.num_completions_to_print,
+                                  report_to=self.args.report_to)
 
     def _begin_training(self, resume_from_checkpoint) -> None:
         args = self.args
@@ -693,11 +723,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 raw, engine_logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature)
             else:
                 pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
-                config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature)
+                config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature,
+                                         self.sampling_filters, args.cache_implementation)
                 with self.accelerator.autocast():
                     raw = generate_responses(
                         policy, queries, query_mask, config, args.response_length,
-                        tok.pad_token_id, args.local_rollout_forward_batch_size,
+                        tok.pad_token_id, args.local_rollout_forward_batch_size, filters=self.sampling_filters,
                     )
         responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
         if engine_logprobs is not None:
@@ -721,7 +752,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.engine.load_policy(policy, self._policy_version)
         settings = SamplingSettings(max_tokens=self.args.response_length if max_tokens is None else max_tokens,
                                     temperature=effective_temperature(temperature),
-                                    stop_token_ids=tuple(self.stop_token_ids))
+                                    stop_token_ids=tuple(self.stop_token_ids),
+                                    **self.sampling_filters.engine_fields())
         try:
             return sample_responses(self.engine, queries, query_mask, settings, self.processing_class.pad_token_id)
         finally:
@@ -835,17 +867,18 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             raw, engine_logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature, width)
         else:
             pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
-            config = sampling_config(width, self.stop_token_ids, pad_id, temperature)
+            config = sampling_config(width, self.stop_token_ids, pad_id, temperature, self.sampling_filters,
+                                     args.cache_implementation)
             with self.accelerator.autocast():
                 raw = generate_responses(policy, queries, query_mask, config, width, tok.pad_token_id,
-                                         args.local_rollout_forward_batch_size)
+                                         args.local_rollout_forward_batch_size, filters=self.sampling_filters)
         responses, mask, _ = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
         if engine_logprobs is None and logprobs:  # generate's sampler is the policy: its log-probs at the temperature
             part = SampledBatch(queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
                                 has_stop=mask[:, -1])
             inputs = sequence_inputs(queries, query_mask, responses, mask)
             engine_logprobs = reference_response_logprobs(policy, part, inputs, effective_temperature(temperature),
-                                                          self.accelerator.autocast)
+                                                          self.accelerator.autocast, filters=self.sampling_filters)
         elif engine_logprobs is None:
             engine_logprobs = torch.full(responses.shape, float("nan"), device=responses.device)
         return continuation_rows(responses, mask, engine_logprobs, budgets)
@@ -952,7 +985,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def response_forward(self, model, part: SampledBatch, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``rollout.forward_responses`` in the trainer's precision and temperature: ``(logits
         (b, T, V), V(s_t) (b, T))``. Scoring and the update both call it."""
-        return forward_responses(model, inputs, part.responses.shape[1], self.temperature, self.accelerator.autocast)
+        return forward_responses(model, inputs, part.responses.shape[1], self.temperature, self.accelerator.autocast,
+                                 filters=SamplingFilters.from_config(self.args))
 
     def policy_logprobs_and_values(self, model, part: SampledBatch, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
@@ -966,7 +1000,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         else:
             ref, context = self.unwrapped.policy, self.null_ref_context()
         with context:
-            return reference_response_logprobs(ref, part, inputs, self.temperature, self.accelerator.autocast)
+            return reference_response_logprobs(ref, part, inputs, self.temperature, self.accelerator.autocast,
+                                               filters=SamplingFilters.from_config(self.args))
 
     def reward_scores(self, part: SampledBatch, inputs, model: nn.Module | None = None) -> torch.Tensor:
         """Raw score ``(b,)`` of a reward model (default ``self.reward_model``) read at the last
@@ -1219,6 +1254,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.state.epoch = self.state.episode / self.episodes_per_epoch
         self.state.global_step += 1
         now = self._last_update_time = time.time()
+        self.state.num_input_tokens_seen += int(metrics.get("val/num_tokens", 0))  # GRPO's num_tokens
+        metrics.update(grpo_metrics(metrics, num_tokens_seen=self.state.num_input_tokens_seen,
+                                    step_time=now - previous))
         # an evaluation, and the update a guard halted at, are never dropped
         kept = "guard/halted" in metrics or any(key.startswith("eval/") for key in metrics)
         if kept or log_due(self.state.global_step, self.state.max_steps, self.state.logging_steps,

@@ -595,7 +595,7 @@ class CheckpointMixin:
             self.counters.batches = self._rederive_batches(ppo_state)
         self._load_inflight(path, exact)
         resumed = type(self.state).load_from_json(os.path.join(path, COMPLETE_MARKER))
-        for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos"):
+        for field_name in ("global_step", "episode", "log_history", "epoch", "total_flos", "num_input_tokens_seen"):
             setattr(self.state, field_name, getattr(resumed, field_name))
         if not exact:  # updates now hold another number of episodes: the run still ends at total_episodes
             remaining = max(0, self.args.total_episodes - self.state.episode)
