@@ -125,6 +125,28 @@ def test_engine_logprobs_equal_a_transformers_forward(plain_engine, temperature)
     assert difference < EXPECTED_LOGP_TOLERANCE
 
 
+def test_top_k_changes_what_the_engine_samples_and_its_logprobs_are_the_filtered_distributions(plain_engine):
+    """GRPO's ``top_k`` on the engine: ``top_k=1`` samples the argmax (log-prob 0: the one token
+    left); ``top_k=2`` samples one of the two likeliest tokens, and the engine's log-prob is that of
+    the distribution renormalised over them (computed here from a transformers forward, row by row),
+    which is what the trainer's forwards score (generation.filters)."""
+    engine, policy = plain_engine
+    for k in (1, 2):
+        settings = SamplingSettings(max_tokens=8, temperature=1.0, stop_token_ids=(3,), top_k=k)
+        samples = engine.generate(PROMPTS, settings, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for prompt, ids, engine_logp in zip(PROMPTS, samples.completion_ids, samples.logprobs):
+                logits = policy(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].double()
+                top = logits.topk(k, dim=-1)
+                assert all(token in row for token, row in zip(ids, top.indices.tolist()))
+                kept = top.values.log_softmax(-1)  # log p over the k kept tokens
+                expected = [kept[t, row.index(token)].item() for t, (token, row) in
+                            enumerate(zip(ids, top.indices.tolist()))]
+                assert max(abs(a - b) for a, b in zip(expected, engine_logp)) < EXPECTED_LOGP_TOLERANCE
+                if k == 1:
+                    assert all(abs(x) < 1e-6 for x in engine_logp)
+
+
 def test_a_changed_policy_is_sampled_after_the_sync(plain_engine, versions):
     engine, policy = plain_engine
     new_policy = copy.deepcopy(policy)
