@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import TrainerControl, TrainerState
+from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed, speed_metrics
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
@@ -197,9 +198,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ) -> None:
         # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
         args = as_ppo_config(args if args is not None else inputs.default_args(model))
+        seed_construction(args)  # before any model, head or adapter is built (issue 44: a new critic head was not)
         (model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset,
          value_model) = inputs.trainer_inputs(args, model, processing_class, reward_model, reward_funcs,
-                                              train_dataset, eval_dataset, value_model, peft_config)
+                                              train_dataset, eval_dataset, value_model, peft_config,
+                                              environment_factory)
         self.args = args
         self.processing_class = processing_class
         if rollout_func is not None and not callable(rollout_func):
@@ -479,9 +482,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                                  self.model_adapter_name)
 
     # ------------------------------------------------------------------ phases
-    def train(self, resume_from_checkpoint: str | bool | None = None):
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run PPO updates until ``num_total_batches``: rollout -> score -> advantages -> update
-        -> log, then guards, KL control and checkpoints.
+        -> log, then guards, KL control and checkpoints. Returns a ``TrainOutput`` (:meth:`train_output`).
 
         Args:
             resume_from_checkpoint: a checkpoint folder, or True for the latest complete one in
@@ -509,6 +512,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if status == PREEMPTED and self.args.on_sigterm == "save_and_exit":
             self.accelerator.print("Preempted (SIGTERM): checkpoint written, exiting with status 0.")
             raise SystemExit(0)
+        return self.train_output()
+
+    def train_output(self) -> TrainOutput:
+        """What ``train()`` returns, as transformers' (and TRL GRPO's) ``Trainer.train`` does:
+        ``TrainOutput(global_step, training_loss, metrics)``, ``training_loss`` the mean over this
+        call's updates of each update's mean micro-batch loss, ``metrics`` transformers'
+        ``train_runtime``, ``train_samples_per_second`` (episodes), ``train_steps_per_second``
+        (updates) and ``train_loss``."""
+        updates = self.state.global_step - self._start_step
+        training_loss = self._loss_total / max(updates, 1)
+        metrics = speed_metrics("train", self._start_time, num_samples=self.state.episode - self._start_episode,
+                                num_steps=updates)
+        metrics["train_loss"] = training_loss
+        return TrainOutput(self.state.global_step, training_loss, metrics)
 
     def _train_loop(self) -> tuple[str, str | None]:
         """Updates until ``state.max_steps`` (``num_total_batches``; fewer or more after resuming on
@@ -541,6 +558,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         applied, skipped = self._applied_steps, self.counters.nonfinite_steps
         self._critic_warming = warming = critic_warmup.warming(self.args, self.counters)
         update_stats, decision = self.ppo_update(rollout, advantages, update)
+        if update_stats.get("loss") is not None and update_stats["loss"].numel():  # train()'s training_loss
+            self._loss_total += float(update_stats["loss"].mean())
         self._critic_warming = False
         all_skipped = self._applied_steps == applied and self.counters.nonfinite_steps > skipped
         metrics = self.update_metrics(rollout, advantages, update_stats)
@@ -591,7 +610,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if path is None and self._saves_checkpoints():
             self._save_checkpoint(self.model)
         self._start_time = self._last_update_time = time.time()
-        self._start_episode = self.state.episode
+        self._start_episode, self._start_step, self._loss_total = self.state.episode, self.state.global_step, 0.0
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._restore_rng()  # last: anything above may draw random numbers
 
@@ -1312,6 +1331,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if self.accelerator.is_main_process:
             show_completions(df, self.args.report_to)
         return df
+
+
+def seed_construction(args) -> None:
+    """Seed every RNG with ``args.seed`` (with ``full_determinism``, deterministic kernels too), as
+    transformers' ``Trainer`` does in its constructor: what the trainer builds after it -- a
+    critic's new value head, a LoRA adapter's first weights, a model loaded from a name -- is the
+    same for one seed whatever the script drew before (issue 44)."""
+    (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
 
 
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
