@@ -18,6 +18,8 @@ def _run(make_trainer, make_prompts, tok, tmp_path, layout, draw):
     kwargs = {}
     if layout == "shared_head":  # the default critic of a LoRA run: a new value head on the policy's backbone
         kwargs = dict(value_model=None, peft_config=LoraConfig(**LORA))
+    elif layout == "value_adapter":  # the critic's own LoRA adapter (PPOConfig.use_value_adapter): its init is random
+        kwargs = dict(value_model=None, peft_config=LoraConfig(**LORA), use_value_adapter=True)
     elif layout == "value_model":  # no peft_config: a copy of the policy's backbone with a new scalar head
         kwargs = dict(value_model=None)
     models = dict(model=build_tiny_causal_lm(tok, seed=0), ref_model=None, reward_model=build_tiny_scorer(tok, seed=2))
@@ -31,7 +33,7 @@ def _run(make_trainer, make_prompts, tok, tmp_path, layout, draw):
     return weights, logs
 
 
-@pytest.mark.parametrize("layout", ["shared_head", "value_model"])
+@pytest.mark.parametrize("layout", ["shared_head", "value_adapter", "value_model"])
 def test_the_seed_alone_reproduces_a_run_bit_for_bit(make_trainer, make_prompts, tok, tmp_path, layout):
     (w1, logs1), (w2, logs2) = (_run(make_trainer, make_prompts, tok, tmp_path, layout, draw) for draw in (1, 2))
     assert any("value" in n for n in w1)  # the layout has a critic with a head built by the trainer

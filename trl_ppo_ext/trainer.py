@@ -43,10 +43,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import TrainerControl, TrainerState
-from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed, speed_metrics
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed, speed_metrics
 
 from . import critic_warmup, inputs
 from . import functional as F
@@ -234,7 +234,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.episodes_per_epoch = self.train_dataset_len * args.num_generations
 
         # a critic-free estimator: no value head, adapter or model anywhere (a value model given is dropped, warned)
-        wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic)
+        wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic,
+                                                  value_adapter=args.use_value_adapter)
         self.policy_model = wrapper.policy
         self.value_model = None if not wrapper.has_value else value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
