@@ -130,6 +130,7 @@ from .run.manifest import ManifestMixin
 from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
 from .run.state import RunCounters
 from .sampler import EpochSeededSampler
+from .scoring_plan import plan_scoring
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,10 @@ INFLIGHT_TOOL_STATS = "_tool_loop_stats"
 
 # The metrics a run without a critic does not log (see PPOTrainer.update_metrics).
 CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
+# The hooks whose override may read a rollout's old log-probs before the update: with one, they are computed
+SCORING_HOOKS = ("produce_rollout", "score_rollout", "compute_loss_terms", "policy_logprobs_and_values")
+# compute_loss_terms' statistic that carries the on-policy update's first log-probs (b, T) to the rollout
+FIRST_LOGPROBS = "_first_logprobs"
 
 
 @dataclass
@@ -250,7 +255,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 if lengths is not None:  # the engine's context too, on the lengths read once
                     check_engine_context(args, lengths, name)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
-        self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
+        # which scoring forwards the update reads (issue 42): none of the reference where nothing reads a KL
+        self.scoring = plan_scoring(args, trains_critic=args.trains_critic, custom_update=any(
+            getattr(type(self), hook) is not getattr(PPOTrainer, hook) for hook in SCORING_HOOKS))
+        self.ref_model = None
+        if self.scoring.reference:
+            self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
+        elif ref_model is not None:
+            logger.info("ref_model is not used: nothing reads the reference (kl_coef=0, no adaptive_kl, no KL guard).")
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
             entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
                             *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
@@ -578,7 +590,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if decision.halt:
             metrics["guard/halted"] = 1.0  # the update a guard stopped the run at is logged, whatever logging_steps
         metrics["objective/kl_coef"] = self.kl_controller.value
-        if not (all_skipped or warming):  # the policy did not move: the KL seen says nothing about the coefficient
+        if not (all_skipped or warming) and "objective/kl" in metrics:  # the policy moved, and a KL was measured
             self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
         self.log_update(metrics)
         if not decision.halt:
@@ -873,22 +885,30 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
         """Old log-probs and values, reference log-probs and rewards of a sampled batch: once
-        each, per chunk of ``local_rollout_forward_batch_size`` rows.
+        each, per chunk of ``local_rollout_forward_batch_size`` rows; only those the run reads
+        (``self.scoring``, ``scoring_plan``): without a reference the old log-probs stand in for its
+        (a KL of 0), and an on-policy critic-free update fills the old log-probs with its own first
+        forward's (zeros until then).
 
         No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
         Each frozen model is moved to the GPU once for all its chunks when offloaded.
         """
         chunks = self.scoring_chunks(sample)
-        logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks))
-        with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
-            ref_logprobs = [self.reference_logprobs(p, i) for p, i in chunks]
+        if self.scoring.old_logprobs:
+            logprobs, values = (chunks.merge(x) for x in zip(*(
+                self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks)))
+        else:  # on-policy and critic-free: the update's own first forward gives pi_old (scoring_plan)
+            logprobs = values = torch.zeros(sample.responses.shape, device=sample.responses.device)
+        ref_logprobs = logprobs  # nothing reads the reference: the KL to pi_old is exactly 0 and not logged
+        if self.scoring.reference:
+            with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
+                ref_logprobs = chunks.merge([self.reference_logprobs(p, i) for p, i in chunks])
         if type(self).score_rewards is PPOTrainer.score_rewards:
             scores, reward_values, reward_applies, token_rewards = self.score_rewards_per_token(sample, chunks)
         else:  # a subclass's own score_rewards: sequence rewards, as before per-token rewards existed
             (scores, reward_values, reward_applies), token_rewards = self.score_rewards(sample, chunks), None
         return scored_rollout(
-            sample, logprobs=chunks.merge(logprobs), ref_logprobs=chunks.merge(ref_logprobs),
-            values=chunks.merge(values),
+            sample, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
             scores=scores, reward_values=reward_values, reward_applies=reward_applies, token_rewards=token_rewards,
         )
 
@@ -1073,6 +1093,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 if self.args.trim_forwards:  # the micro-batch's own extent
                     mb, mb_adv = trimmed_together(mb, mb_adv)
                 loss, micro_stats = self.compute_loss_terms(mb, mb_adv, num_tokens, **sequence_count)
+                first = micro_stats.pop(FIRST_LOGPROBS, None)
+                if first is not None:  # on-policy: the rollout's pi_old is the update's first forward (scoring_plan)
+                    rollout.logprobs[micro, : first.shape[1]] = first
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
                 accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
@@ -1153,12 +1176,18 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         settings = loss_settings(self.args)
         if not self.args.trains_critic:  # no critic: its values are zeros without a graph, and no value loss counts
             settings["vf_coef"] = 0.0
-        return ppo_loss(
-            new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
+        old_logprobs = mb.logprobs
+        if not self.scoring.old_logprobs:  # on-policy: this first forward is pi_old, so the ratio is exactly 1
+            old_logprobs = new_logprobs.detach().masked_fill(~mb.response_mask, 0.0)
+        loss, stats = ppo_loss(
+            new_logprobs, resp_logits, new_values, old_logprobs=old_logprobs, old_values=mb.values,
             advantages=adv.advantages, returns=adv.returns, response_mask=mb.loss_mask, num_tokens=num_tokens,
             pg_weights=weights, num_sequences=num_sequences, max_completion_length=self.args.response_length,
             **settings,
         )
+        if not self.scoring.old_logprobs:
+            stats[FIRST_LOGPROBS] = old_logprobs  # for the rollout's metrics (see _minibatch_step)
+        return loss, stats
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
         """The truncated importance weights ``pi_old / pi_engine`` of a micro-batch sampled by vLLM
@@ -1175,6 +1204,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if not self.args.trains_critic:  # a critic-free estimator: no value loss, values or returns to report
             for key in CRITIC_METRICS:
                 metrics.pop(key, None)
+        if not self.scoring.reference:  # no KL was computed: none is logged (GRPO logs kl only where beta != 0)
+            metrics.pop("objective/kl", None)
         if self.args.num_generations > 1:  # TRL GRPO's group figures (a collective: every process calls it)
             metrics.update({k: float(v) for k, v in group_reward_metrics(rollout.scores, self.args.num_generations)
                             .items()})
@@ -1296,6 +1327,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
                 row = evaluation_row(r, self.rewards, self.args.kl_estimator)
+                if not self.scoring.reference:  # no reference ran: no KL to report
+                    row.pop("eval/kl", None)
                 row.update(user_metric_rows(self.eval_metrics, tok, r))
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
