@@ -4,6 +4,7 @@ first forward is pi_old, the first ratio exactly 1 and the gradient the one the 
 
 import pytest
 import torch
+from peft import LoraConfig
 
 from trl_ppo_ext.scoring_plan import ScoringPlan
 
@@ -11,8 +12,9 @@ GRPO = dict(advantage_estimator="grpo", num_generations=2, kl_coef=0.0)
 
 
 def _count_forwards(trainer):
-    calls = {"policy": 0, "reference": 0}
-    for hook, key in (("policy_logprobs_and_values", "policy"), ("reference_logprobs", "reference")):
+    calls = {"policy": 0, "reference": 0, "critic": 0}
+    for hook, key in (("policy_logprobs_and_values", "policy"), ("reference_logprobs", "reference"),
+                      ("critic_values", "critic")):
         original = getattr(trainer, hook)
 
         def counted(*args, _original=original, _key=key, **kwargs):
@@ -27,25 +29,36 @@ def _logs(trainer):
     return [h for h in trainer.state.log_history if "objective/scores" in h]
 
 
-@pytest.mark.parametrize("overrides, policy_forwards, reference", [
-    (GRPO, 0, False),  # critic-free, kl 0, one epoch, one mini-batch: neither forward
-    ({**GRPO, "num_ppo_epochs": 2}, 1, False),  # two optimizer steps: the second one's pi_old is not its own
-    ({**GRPO, "num_mini_batches": 2}, 1, False),
-    ({**GRPO, "kl_coef": 0.05}, 1, True),  # the KL penalty reads both
-    ({**GRPO, "kl_max": 50.0}, 1, True),  # a KL guard the user asked for
-    ({"kl_coef": 0.0}, 1, False),  # GAE: the values' forward gives the old log-probs too; no reference
-], ids=["grpo_kl0", "two_epochs", "two_mini_batches", "kl_penalty", "kl_guard", "gae_kl0"])
-def test_the_scoring_forwards_run_only_where_read(make_trainer, tok, overrides, policy_forwards, reference):
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+VALUE_ADAPTER = dict(value_model=None, use_value_adapter=True, peft_config=LORA)
+
+
+@pytest.mark.parametrize("overrides, policy_forwards, critic_forwards, reference", [
+    (GRPO, 0, 0, False),  # critic-free, kl 0, one epoch, one mini-batch: neither forward
+    ({**GRPO, "num_ppo_epochs": 2}, 1, 0, False),  # two optimizer steps: the second one's pi_old is not its own
+    ({**GRPO, "num_mini_batches": 2}, 1, 0, False),
+    ({**GRPO, "kl_coef": 0.05}, 1, 0, True),  # the KL penalty reads both
+    ({**GRPO, "kl_max": 50.0}, 1, 0, True),  # a KL guard the user asked for
+    ({"kl_coef": 0.0}, 0, 1, False),  # a separate value model: its pass alone gives V; no reference
+    ({"kl_coef": 0.0, **VALUE_ADAPTER}, 0, 1, False),  # a value adapter: the same
+    ({"kl_coef": 0.0, "value_model": None, "peft_config": VALUE_ADAPTER["peft_config"]}, 1, 0, False),  # shared head
+    ({"kl_coef": 0.0, **VALUE_ADAPTER, "num_ppo_epochs": 2}, 1, 0, False),
+], ids=["grpo_kl0", "two_epochs", "two_mini_batches", "kl_penalty", "kl_guard", "value_model_kl0",
+        "value_adapter_kl0", "shared_head_kl0", "value_adapter_two_epochs"])
+def test_the_scoring_forwards_run_only_where_read(make_trainer, tok, overrides, policy_forwards, critic_forwards,
+                                                  reference):
     trainer = make_trainer(tok, ref_model=None, total_episodes=8, **overrides)  # a full fine-tune: no adapter
     calls = _count_forwards(trainer)
     trainer.train()
     updates = len(_logs(trainer))
     assert updates == 2
-    assert calls == {"policy": policy_forwards * updates, "reference": updates if reference else 0}
+    assert calls == {"policy": policy_forwards * updates, "reference": updates if reference else 0,
+                     "critic": critic_forwards * updates}
     assert (trainer.ref_model is not None) == reference  # no copy of the policy is made for nothing
     assert all(("objective/kl" in h) == reference for h in _logs(trainer))  # the KL is logged where computed
     if policy_forwards == 0:  # the rollout's pi_old is the update's forward: the first ratio is exactly 1
-        assert all(h["val/ratio"] == 1.0 and h["policy/approxkl_avg"] == 0.0 for h in _logs(trainer))
+        assert all(h["val/ratio"] == 1.0 for h in _logs(trainer))
+        assert all(h["policy/approxkl_avg"] == 0.0 for h in _logs(trainer))
         assert all(h["objective/entropy"] > 0 for h in _logs(trainer))  # -log pi_old of the sampled tokens
 
 
@@ -70,3 +83,17 @@ def test_on_policy_gradient_equals_the_scored_one(make_trainer, tok):
     torch.testing.assert_close(first, scored.logprobs, rtol=0, atol=1e-5)  # the update's forward is pi_old
     for g_scored, g_fresh in zip(grads_scored, grads_fresh):
         torch.testing.assert_close(g_fresh, g_scored, rtol=0, atol=1e-7)
+
+
+def test_the_critics_pass_alone_gives_the_values_of_the_whole_forward(make_trainer, tok):
+    from trl_ppo_ext.models.values import has_values_alone, value_forward
+
+    trainer = make_trainer(tok, ref_model=None, kl_coef=0.0, **VALUE_ADAPTER)
+    model = trainer.unwrapped
+    assert has_values_alone(model) and trainer.scoring == ScoringPlan(reference=False, old_logprobs=False)
+    ids = torch.tensor([[4, 6, 7, 8, 3, 5], [0, 0, 4, 9, 3, 5]])
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        _, values = model(ids, mask, positions, logits_to_keep=3)
+        torch.testing.assert_close(value_forward(model, ids, mask, positions, keep=3), values, rtol=0, atol=0)

@@ -14,8 +14,9 @@ where nothing reads them, and neither does this package:
   whose importance weights and ``sampling/*`` figures read them), the policy has not moved when
   the update's own forward runs, so its log-probs, detached, are ``pi_old``: the ratio is exactly 1
   and the gradient is today's (GRPO with one iteration does the same). A critic's values still need
-  a forward before the update (GAE reads them); with the shared value head that one forward gives
-  the old log-probs as well, so only the critic-free estimators save it.
+  a forward before the update (GAE reads them): with a separate value model or a value adapter it
+  runs the critic's own pass alone (``models.values``), saving the policy's; with the shared value
+  head the values need the policy's pass, which gives the old log-probs as well, so nothing is saved.
 
 Example:
 
@@ -28,8 +29,10 @@ Example:
 True
 >>> plan_scoring(args, trains_critic=False)
 ScoringPlan(reference=False, old_logprobs=False)
->>> plan_scoring(args, trains_critic=True)  # the values' forward gives the old log-probs too
+>>> plan_scoring(args, trains_critic=True)  # the shared head: the values' forward gives the old log-probs too
 ScoringPlan(reference=False, old_logprobs=True)
+>>> plan_scoring(args, trains_critic=True, values_alone=True)  # a value adapter / value model: its pass alone
+ScoringPlan(reference=False, old_logprobs=False)
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class ScoringPlan:
     """The scoring forwards a run runs before each update."""
 
     reference: bool  # log pi_ref(a_t|s_t) (B, T): the reference's forward
-    old_logprobs: bool  # log pi_old(a_t|s_t) (B, T) (and V(s_t)) from the policy's forward; False: the update's own
+    # log pi_old(a_t|s_t) (B, T) (and V(s_t)) from the policy's forward; False: the update's own first forward's
+    # (and V(s_t), with a critic, from the critic's pass alone)
+    old_logprobs: bool
 
 
 def reads_reference(args) -> bool:
@@ -60,10 +65,12 @@ def on_policy_update(args) -> bool:
     return args.num_ppo_epochs == 1 and args.num_mini_batches == 1 and not getattr(args, "use_vllm", False)
 
 
-def plan_scoring(args, *, trains_critic: bool, custom_update: bool = False) -> ScoringPlan:
-    """The run's :class:`ScoringPlan`. ``custom_update``: a subclass overrides a hook that may read
-    the rollout's old log-probs before or during the update (``compute_loss_terms``,
-    ``produce_rollout``, ``score_rollout``): they are computed as before."""
+def plan_scoring(args, *, trains_critic: bool, values_alone: bool = False, custom_update: bool = False) -> ScoringPlan:
+    """The run's :class:`ScoringPlan`. ``values_alone``: the critic's values come from a pass of
+    its own (``models.values.has_values_alone``). ``custom_update``: a subclass overrides a hook
+    that may read the rollout's old log-probs otherwise (``compute_loss_terms``, ``produce_rollout``):
+    they are computed before the update, as without this plan."""
     reference = reads_reference(args)
-    skip_old = not (trains_critic or reference or custom_update) and on_policy_update(args)
+    critic_needs_policy = trains_critic and not values_alone
+    skip_old = not (critic_needs_policy or reference or custom_update) and on_policy_update(args)
     return ScoringPlan(reference=reference, old_logprobs=not skip_old)

@@ -90,6 +90,7 @@ from .models.prepare import (
     warn_low_precision_trainables,
 )
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, with_backend_keys
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel, with_process_reward_models
@@ -115,6 +116,7 @@ from .rollout import (
     generation_stop_ids,
     left_pad,
     reference_response_logprobs,
+    response_values,
     reward_model_scores,
     row_extents,
     sampling_config,
@@ -139,8 +141,9 @@ INFLIGHT_TOOL_STATS = "_tool_loop_stats"
 
 # The metrics a run without a critic does not log (see PPOTrainer.update_metrics).
 CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
-# The hooks whose override may read a rollout's old log-probs before the update: with one, they are computed
-SCORING_HOOKS = ("produce_rollout", "score_rollout", "compute_loss_terms", "policy_logprobs_and_values")
+# The hooks whose override may read a rollout's old log-probs otherwise than the update's first forward would give
+# them (a rollout of an older policy, a loss of its own): with one overridden, they are computed before the update
+SCORING_HOOKS = ("produce_rollout", "compute_loss_terms")
 # compute_loss_terms' statistic that carries the on-policy update's first log-probs (b, T) to the rollout
 FIRST_LOGPROBS = "_first_logprobs"
 
@@ -256,8 +259,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                     check_engine_context(args, lengths, name)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
         # which scoring forwards the update reads (issue 42): none of the reference where nothing reads a KL
-        self.scoring = plan_scoring(args, trains_critic=args.trains_critic, custom_update=any(
-            getattr(type(self), hook) is not getattr(PPOTrainer, hook) for hook in SCORING_HOOKS))
+        self.scoring = plan_scoring(args, trains_critic=args.trains_critic, values_alone=has_values_alone(wrapper),
+                                    custom_update=any(getattr(type(self), hook) is not getattr(PPOTrainer, hook)
+                                                      for hook in SCORING_HOOKS))
         self.ref_model = None
         if self.scoring.reference:
             self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
@@ -897,8 +901,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if self.scoring.old_logprobs:
             logprobs, values = (chunks.merge(x) for x in zip(*(
                 self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks)))
-        else:  # on-policy and critic-free: the update's own first forward gives pi_old (scoring_plan)
+        else:  # on-policy: the update's own first forward gives pi_old (scoring_plan); a critic's pass alone V
             logprobs = values = torch.zeros(sample.responses.shape, device=sample.responses.device)
+            if self.args.trains_critic:
+                values = chunks.merge([self.critic_values(self.unwrapped, p, i) for p, i in chunks])
         ref_logprobs = logprobs  # nothing reads the reference: the KL to pi_old is exactly 0 and not logged
         if self.scoring.reference:
             with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
@@ -998,6 +1004,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
         logits, values = self.response_forward(model, part, inputs)
         return F.logprobs_from_logits(logits, part.valid_responses), values
+
+    def critic_values(self, model, part: SampledBatch, inputs) -> torch.Tensor:
+        """``V(s_t)`` ``(b, T)`` from the critic's own pass, without the policy's (a value model or a
+        value adapter, ``models.values``): an on-policy update's scoring reads nothing else."""
+        T = part.responses.shape[1]
+        with self.accelerator.autocast():
+            values = value_forward(model, *inputs, keep=T + 1)
+        return response_values(values, T)
 
     def reference_logprobs(self, part: SampledBatch, inputs) -> torch.Tensor:
         """``log pi_ref(a_t|s_t)`` ``(b, T)``: a separate reference model or the disabled adapter."""
