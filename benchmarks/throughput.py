@@ -35,6 +35,14 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
             issue 42 (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
             ``X / X_scored``, paired per repeat, is what the skipped forwards save; those ratios
             are printed as ``forward savings``.
+  trl_grpo  TRL 1.16's ``GRPOTrainer`` (TRL >= 1.13; not in the default run) on the same policy
+            with the same LoRA, the same reward model (``reward_funcs=[model]``), the prompts as
+            text, ``num_generations=4``, ``beta=0`` (its default: no reference), one optimizer
+            step of B completions per generation (``per_device_train_batch_size`` = micro,
+            ``gradient_accumulation_steps`` = B / micro, ``num_iterations=1``), the same
+            temperature, completion length, seed and learning rate. Its ``generate`` phase is its
+            ``_generate_and_score_completions`` (sampling, any log-prob forward and the reward);
+            its update is the rest. Compare ``shared_grpo`` with it: ``grpo / TRL GRPO`` ratios.
 
 The random models are built once per size; every run trains deep copies of them. The
 contenders alternate inside one process (the machine is shared and its load drifts): each
@@ -105,7 +113,7 @@ import time
 import types
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +134,7 @@ DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one war
 # (upstream accepts the flag and never applies it, so it needs no such arm); "_vllm": use_vllm=True.
 CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
               "shared_vlora", "separate_vllm", "shared_vllm", "shared_grpo", "shared_grpo_scored", "shared_kl0",
-              "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored")
+              "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "trl_grpo")
 DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
                       "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
@@ -137,7 +145,7 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
           "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM",
           "shared_grpo": "grpo, kl 0", "shared_grpo_scored": "grpo, kl 0, scored", "shared_kl0": "shared, kl 0",
           "shared_kl0_scored": "shared, kl 0, scored", "shared_vlora_kl0": "value LoRA, kl 0",
-          "shared_vlora_kl0_scored": "vLoRA, kl 0, scored"}
+          "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "trl_grpo": "TRL 1.16 GRPO"}
 NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
@@ -430,6 +438,10 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
+    if contender == "trl_grpo":  # before the suffixes below ("_grpo" is ours' arm)
+        trainer = build_trl_grpo(tokenizer, dataset, models, cfg, clock)
+        trainer.remove_callback(PrinterCallback)
+        return trainer
     if contender.endswith("_vllm"):
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender.endswith("_nockpt"):
@@ -473,6 +485,42 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     return trainer
 
 
+def build_trl_grpo(tokenizer, dataset, models: PristineModels, cfg: dict, clock: Clock):
+    """TRL's ``GRPOTrainer`` with this benchmark's policy, LoRA, reward model, prompts (decoded to
+    text) and budget; its ``_generate_and_score_completions`` timed as the ``generate`` phase, and the
+    completions' valid tokens counted."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_ppo_ext import PPOConfig
+
+    ours = PPOConfig(**cfg)  # the defaults ours runs with (learning rate, temperature, checkpointing)
+    prompts = Dataset.from_dict({"prompt": tokenizer.batch_decode([list(ids) for ids in dataset["input_ids"]],
+                                                                  skip_special_tokens=True)})
+    config = GRPOConfig(
+        output_dir=cfg["output_dir"], use_cpu=cfg["use_cpu"], bf16=cfg["bf16"], seed=cfg["seed"],
+        per_device_train_batch_size=cfg["per_device_train_batch_size"],
+        gradient_accumulation_steps=cfg["gradient_accumulation_steps"], num_generations=NUM_GENERATIONS,
+        max_completion_length=cfg["response_length"], max_steps=cfg["total_episodes"] // BATCH, beta=0.0,
+        num_iterations=1, temperature=ours.temperature, learning_rate=ours.learning_rate,
+        max_grad_norm=ours.max_grad_norm, gradient_checkpointing=ours.gradient_checkpointing,
+        report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=1)
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            with clock.phase("generate"):
+                output = super()._generate_and_score_completions(inputs)
+            clock.count_tokens(int(output["completion_mask"].sum()))
+            return output
+
+    return TimedGRPOTrainer(model=models.fresh("policy"), reward_funcs=[models.fresh("reward")], args=config,
+                            train_dataset=prompts, processing_class=tokenizer, reward_processing_classes=[tokenizer],
+                            peft_config=lora, callbacks=[step_clock_callback(clock)])
+
+
 def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates: int, args) -> dict:
     """Build a fresh trainer, train ``updates + 1`` updates, return the timed summary."""
     clock = Clock(args.device)
@@ -482,7 +530,9 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
         np.random.seed(SEED)  # upstream shuffles mini-batches with numpy
         engine_kwargs = {"enforce_eager": True} if args.enforce_eager else None
         trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock, engine_kwargs)
-        with timed_update_parts(trainer, clock), early_stop_workload(tokenizer, WORKLOAD == "early_stop"):
+        # Trainer (GRPO) builds its optimizer inside train(): its update is not split into parts
+        parts = nullcontext() if contender == "trl_grpo" else timed_update_parts(trainer, clock)
+        with parts, early_stop_workload(tokenizer, WORKLOAD == "early_stop"):
             if contender == "upstream":
                 with timed_upstream(trainer, clock), redirect_stdout(io.StringIO()):  # "===training policy==="
                     trainer.train()
@@ -492,7 +542,7 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()  # the next contender starts from the same allocator state
-    return clock.summary(BATCH, remainder="update" if contender == "upstream" else "other")
+    return clock.summary(BATCH, remainder="update" if contender in ("upstream", "trl_grpo") else "other")
 
 
 # ---------------------------------------------------------------------------- FLOPs
