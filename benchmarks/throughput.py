@@ -567,6 +567,8 @@ def counted_phases(trainer, contender: str, counts: dict[str, float], active):
     if contender == "upstream":
         owner = sys.modules[type(trainer).__module__]
         targets = [("batch_generation", "generate", False), ("forward", "score", True), ("get_reward", "score", False)]
+    elif contender == "trl_grpo":  # its sampling, log-prob forwards and rewards are one method
+        owner, targets = trainer, [("_generate_and_score_completions", "generate", False)]
     else:
         owner = trainer
         targets = [("generate_rollout", "generate", False), ("score_rollout", "score", False)]
