@@ -27,6 +27,22 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
   shared_vlora
             ``shared`` with a value adapter of its own (``value_lora_config``, the same rank
             and targets): a second backbone pass for the values (not in the default run).
+  shared_grpo, shared_kl0, shared_vlora_kl0
+            issue 42's arms (not in the default run): the shared LoRA layout with
+            ``advantage_estimator="grpo"``, ``num_generations=4`` (``--num-generations``) and
+            ``kl_coef=0`` (no critic), and ``shared`` / ``shared_vlora`` with ``kl_coef=0``. A
+            ``_scored`` suffix runs the same arm with every scoring forward of the code before
+            issue 42 (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
+            ``X / X_scored``, paired per repeat, is what the skipped forwards save; those ratios
+            are printed as ``forward savings``.
+  trl_grpo  TRL 1.16's ``GRPOTrainer`` (TRL >= 1.13; not in the default run) on the same policy
+            with the same LoRA, the same reward model (``reward_funcs=[model]``), the prompts as
+            text, ``num_generations=4``, ``beta=0`` (its default: no reference), one optimizer
+            step of B completions per generation (``per_device_train_batch_size`` = micro,
+            ``gradient_accumulation_steps`` = B / micro, ``num_iterations=1``), the same
+            temperature, completion length, seed and learning rate. Its ``generate`` phase is its
+            ``_generate_and_score_completions`` (sampling, any log-prob forward and the reward);
+            its update is the rest. Compare ``shared_grpo`` with it: ``grpo / TRL GRPO`` ratios.
 
 The random models are built once per size; every run trains deep copies of them. The
 contenders alternate inside one process (the machine is shared and its load drifts): each
@@ -97,7 +113,7 @@ import time
 import types
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +133,8 @@ DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one war
 # Every contender, in table order. A "_nockpt" contender is its base with gradient_checkpointing=False
 # (upstream accepts the flag and never applies it, so it needs no such arm); "_vllm": use_vllm=True.
 CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
-              "shared_vlora", "separate_vllm", "shared_vllm")
+              "shared_vlora", "separate_vllm", "shared_vllm", "shared_grpo", "shared_grpo_scored", "shared_kl0",
+              "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "trl_grpo")
 DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
                       "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
@@ -125,7 +142,11 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
           "separate_full": "separate, full wd", "shared_full": "shared, full wd",
           "separate_nockpt": "separate, no ckpt", "shared_nockpt": "shared, no ckpt",
           "shared_vlora": "shared, value LoRA",
-          "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM"}
+          "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM",
+          "shared_grpo": "grpo, kl 0", "shared_grpo_scored": "grpo, kl 0, scored", "shared_kl0": "shared, kl 0",
+          "shared_kl0_scored": "shared, kl 0, scored", "shared_vlora_kl0": "value LoRA, kl 0",
+          "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "trl_grpo": "TRL 1.16 GRPO"}
+NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
 WORKLOAD = "fixed"  # --workload: "fixed" (random policies: rows rarely stop) or "early_stop"
@@ -238,6 +259,10 @@ def timed_ours_class():
         def reference_logprobs(self, *args, **kwargs):
             with self.clock.phase("score.ref"):
                 return super().reference_logprobs(*args, **kwargs)
+
+        def critic_values(self, *args, **kwargs):  # the critic's pass alone (issue 42)
+            with self.clock.phase("score.value"):
+                return super().critic_values(*args, **kwargs)
 
         def reward_scores(self, *args, **kwargs):
             with self.clock.phase("score.reward"):
@@ -413,12 +438,23 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
 
     common = dict(processing_class=tokenizer, train_dataset=dataset, callbacks=[step_clock_callback(clock)])
+    if contender == "trl_grpo":  # before the suffixes below ("_grpo" is ours' arm)
+        trainer = build_trl_grpo(tokenizer, dataset, models, cfg, clock)
+        trainer.remove_callback(PrinterCallback)
+        return trainer
     if contender.endswith("_vllm"):
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender.endswith("_nockpt"):
         contender, cfg = contender.removesuffix("_nockpt"), {**cfg, "gradient_checkpointing": False}
     if contender.endswith("_full"):
         contender, cfg = contender.removesuffix("_full"), {**cfg, **FULL_WIDTH}
+    scored = contender.endswith("_scored")  # every scoring forward of the code before issue 42
+    contender = contender.removesuffix("_scored")
+    if contender.endswith("_kl0"):
+        contender, cfg = contender.removesuffix("_kl0"), {**cfg, "kl_coef": 0.0}
+    if contender.endswith("_grpo"):
+        contender, cfg = contender.removesuffix("_grpo"), {**cfg, "kl_coef": 0.0, "advantage_estimator": "grpo",
+                                                            "num_generations": NUM_GENERATIONS}
     if contender == "upstream":
         from trl_ppo_ext._compat import TRLPPOConfig, TRLPPOTrainer  # TRL 1.0 - 1.12 only
 
@@ -436,12 +472,53 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         cls = timed_ours_class()
         cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
         value_lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=lora.target_modules)
-        model = SharedActorCritic(models.fresh("policy"), lora_config=lora,
+        config = PPOConfig(**cfg)
+        model = SharedActorCritic(models.fresh("policy"), lora_config=lora, with_value=config.trains_critic,
                                   value_lora_config=value_lora if contender == "shared_vlora" else None)
-        trainer = cls(args=PPOConfig(**cfg), model=model, ref_model=None, value_model=None,
+        trainer = cls(args=config, model=model, ref_model=None, value_model=None,
                       reward_model=models.fresh("reward"), **common)
+    if scored and hasattr(trainer, "scoring"):  # code before issue 42 (which has no `scoring`) always scores
+        from trl_ppo_ext.scoring_plan import ScoringPlan
+
+        trainer.scoring = ScoringPlan(reference=True, old_logprobs=True)
     trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
     return trainer
+
+
+def build_trl_grpo(tokenizer, dataset, models: PristineModels, cfg: dict, clock: Clock):
+    """TRL's ``GRPOTrainer`` with this benchmark's policy, LoRA, reward model, prompts (decoded to
+    text) and budget; its ``_generate_and_score_completions`` timed as the ``generate`` phase, and the
+    completions' valid tokens counted."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_ppo_ext import PPOConfig
+
+    ours = PPOConfig(**cfg)  # the defaults ours runs with (learning rate, temperature, checkpointing)
+    prompts = Dataset.from_dict({"prompt": tokenizer.batch_decode([list(ids) for ids in dataset["input_ids"]],
+                                                                  skip_special_tokens=True)})
+    config = GRPOConfig(
+        output_dir=cfg["output_dir"], use_cpu=cfg["use_cpu"], bf16=cfg["bf16"], seed=cfg["seed"],
+        per_device_train_batch_size=cfg["per_device_train_batch_size"],
+        gradient_accumulation_steps=cfg["gradient_accumulation_steps"], num_generations=NUM_GENERATIONS,
+        max_completion_length=cfg["response_length"], max_steps=cfg["total_episodes"] // BATCH, beta=0.0,
+        num_iterations=1, temperature=ours.temperature, learning_rate=ours.learning_rate,
+        max_grad_norm=ours.max_grad_norm, gradient_checkpointing=ours.gradient_checkpointing,
+        report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=1)
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            with clock.phase("generate"):
+                output = super()._generate_and_score_completions(inputs)
+            clock.count_tokens(int(output["completion_mask"].sum()))
+            return output
+
+    return TimedGRPOTrainer(model=models.fresh("policy"), reward_funcs=[models.fresh("reward")], args=config,
+                            train_dataset=prompts, processing_class=tokenizer, reward_processing_classes=[tokenizer],
+                            peft_config=lora, callbacks=[step_clock_callback(clock)])
 
 
 def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates: int, args) -> dict:
@@ -453,7 +530,9 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
         np.random.seed(SEED)  # upstream shuffles mini-batches with numpy
         engine_kwargs = {"enforce_eager": True} if args.enforce_eager else None
         trainer = build_trainer(contender, tokenizer, dataset, models, cfg, clock, engine_kwargs)
-        with timed_update_parts(trainer, clock), early_stop_workload(tokenizer, WORKLOAD == "early_stop"):
+        # Trainer (GRPO) builds its optimizer inside train(): its update is not split into parts
+        parts = nullcontext() if contender == "trl_grpo" else timed_update_parts(trainer, clock)
+        with parts, early_stop_workload(tokenizer, WORKLOAD == "early_stop"):
             if contender == "upstream":
                 with timed_upstream(trainer, clock), redirect_stdout(io.StringIO()):  # "===training policy==="
                     trainer.train()
@@ -463,7 +542,7 @@ def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()  # the next contender starts from the same allocator state
-    return clock.summary(BATCH, remainder="update" if contender == "upstream" else "other")
+    return clock.summary(BATCH, remainder="update" if contender in ("upstream", "trl_grpo") else "other")
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -488,6 +567,8 @@ def counted_phases(trainer, contender: str, counts: dict[str, float], active):
     if contender == "upstream":
         owner = sys.modules[type(trainer).__module__]
         targets = [("batch_generation", "generate", False), ("forward", "score", True), ("get_reward", "score", False)]
+    elif contender == "trl_grpo":  # its sampling, log-prob forwards and rewards are one method
+        owner, targets = trainer, [("_generate_and_score_completions", "generate", False)]
     else:
         owner = trainer
         targets = [("generate_rollout", "generate", False), ("score_rollout", "score", False)]
@@ -633,7 +714,16 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
           f"'{LABELS[ref]}' in the same repeat")
     print_phase_table(results)
     print_vllm_ratios(results)
+    print_forward_savings(results)
     return ratios
+
+
+def print_forward_savings(results: dict[str, list[dict]]) -> None:
+    """For each issue 42 arm run both ways: ``X / X_scored`` episodes/s, paired per repeat (median, range)."""
+    for c in (c for c in CONTENDERS if f"{c}_scored" in results and c in results):
+        paired = paired_ratios(results, c, f"{c}_scored", episodes_per_second)
+        print(f"forward savings {c}/{c}_scored: {statistics.median(paired):.2f}x episodes/s "
+              f"(paired {', '.join(f'{p:.2f}' for p in paired)})")
 
 
 def print_vllm_ratios(results: dict[str, list[dict]]) -> None:
@@ -696,7 +786,7 @@ def describe_machine(args) -> str:
 
 
 def main() -> None:
-    global BATCH, MICRO, RESPONSE_LENGTH, WORKLOAD
+    global BATCH, MICRO, RESPONSE_LENGTH, WORKLOAD, NUM_GENERATIONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None,
                         help="comma-separated: " + ", ".join(SIZES) + " (default tiny,100m; with --vllm, 100m)")
@@ -718,6 +808,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch B per update (default 4)")
     parser.add_argument("--micro", type=int, default=None,
                         help="per_device_train_batch_size (default B; gradient accumulation B // micro)")
+    parser.add_argument("--num-generations", type=int, default=NUM_GENERATIONS,
+                        help="samples per prompt of the grpo arms (default 4)")
     parser.add_argument("--contenders", default=None,
                         help="comma-separated subset of " + ", ".join(CONTENDERS) + " (default: all but the vLLM ones)")
     args = parser.parse_args()
@@ -733,6 +825,7 @@ def main() -> None:
         parser.error("--repeats and --updates must be >= 1")
     BATCH, RESPONSE_LENGTH, WORKLOAD = args.batch, args.response_length, args.workload
     MICRO = args.micro or BATCH
+    NUM_GENERATIONS = args.num_generations
     if BATCH % MICRO:
         parser.error(f"--micro {MICRO} must divide --batch {BATCH}")
     torch.set_num_threads(args.threads)

@@ -9,6 +9,7 @@ from torch import nn
 
 from trl_ppo_ext import PPOConfig, PPOTrainer
 from trl_ppo_ext.rollout import Rollout, sequence_inputs
+from trl_ppo_ext.scoring_plan import ScoringPlan
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
@@ -141,7 +142,8 @@ def test_loss_ignores_everything_outside_the_response_mask():
     class FakeTrainer(SimpleNamespace):
         response_forward = PPOTrainer.response_forward
 
-    fake = FakeTrainer(model=model, args=args, temperature=1.0, accelerator=SimpleNamespace(autocast=nullcontext))
+    fake = FakeTrainer(model=model, args=args, temperature=1.0, accelerator=SimpleNamespace(autocast=nullcontext),
+                       scoring=ScoringPlan(reference=True, old_logprobs=True))  # the rollout's old log-probs
     loss, stats = PPOTrainer.compute_loss_terms(fake, mb, adv)
     loss.backward()
     # response token t is predicted at position P - 1 + t; positions predicting masked tokens get no gradient

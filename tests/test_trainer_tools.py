@@ -249,3 +249,88 @@ def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_t
     again, _ = resumed._resumed_rollout()
     assert resumed._tool_metrics() == expected
     assert again.extras.keys() == rollout.extras.keys()  # the counts travel beside the columns, not in them
+
+
+# ---------------------------------------------------------------- the environment owns the data (issue 44 item 3)
+# Written from TRL 1.16's GRPOTrainer docs: "`train_dataset` may be omitted only when an `environment_factory` is
+# provided and the environment owns (or procedurally generates) the data, returning the prompt from its `reset()`
+# method. In that case, `max_steps` must be set"; reset(**row) gets the row's columns and its string is appended
+# to the last user message.
+class Riddle:
+    """Owns its task: reset() poses it (and records what it was given); the tool answers it."""
+
+    def reset(self, **row):
+        self.row, self.solved = row, False
+        return "Open the vault."
+
+    def try_code(self, code: int) -> str:
+        """
+        Try a code on the vault.
+
+        Args:
+            code: The code to try.
+        """
+        self.solved = code == 41
+        return "open" if self.solved else "locked"
+
+    def get_reward(self) -> float:
+        return float(self.solved)
+
+
+class RiddleTurns(ScriptedTurns):
+    first_turn = CALL.format(name="try_code", args='{"code": 41}')
+
+
+def _train_riddles(tmp_path, policy_and_tok, train_dataset, **overrides):
+    policy, tok = policy_and_tok
+    seen = {}
+
+    def reads_prompts(prompts, completions, environments, **kwargs):
+        seen.setdefault("prompts", prompts)
+        seen.setdefault("rows", [env.row for env in environments])
+        return [0.0] * len(completions)
+
+    trainer = RiddleTurns(model=policy, processing_class=tok, reward_funcs=[reads_prompts],
+                          args=_config(tmp_path, **overrides), train_dataset=train_dataset,
+                          environment_factory=Riddle)
+    trainer.train()
+    return trainer, seen
+
+
+def test_without_a_dataset_the_environment_gives_the_prompts(tmp_path, policy_and_tok):
+    trainer, seen = _train_riddles(tmp_path, policy_and_tok, None, max_steps=2)
+    logs = _logs(trainer)
+    assert len(logs) == 2 and all(log["rewards/Riddle/mean"] == 1.0 for log in logs)
+    # GRPO's stand-in: one empty user message per prompt, reset's text appended to it
+    assert seen["prompts"][0] == [{"role": "user", "content": "Open the vault."}]
+    assert seen["rows"][0] == {"prompt": [{"role": "user", "content": ""}]}
+
+
+def test_grpos_own_stand_in_dataset_is_accepted(tmp_path, policy_and_tok):
+    from datasets import Dataset
+
+    stand_in = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * 4})  # was: "dropped 4 of 4"
+    trainer, seen = _train_riddles(tmp_path, policy_and_tok, stand_in)
+    assert len(_logs(trainer)) == 2 and seen["prompts"][0][-1]["content"] == "Open the vault."
+
+
+def test_rows_without_a_prompt_column_only_feed_reset(tmp_path, policy_and_tok):
+    from datasets import Dataset
+
+    levels = Dataset.from_dict({"level": [1, 2, 3, 4]})  # was: "neither an `input_ids` column nor a prompt column"
+    trainer, seen = _train_riddles(tmp_path, policy_and_tok, levels)
+    assert len(_logs(trainer)) == 2
+    assert all(set(row) == {"level"} and row["level"] in (1, 2, 3, 4) for row in seen["rows"])  # no `prompt` added
+    assert seen["prompts"][0] == [{"role": "user", "content": "Open the vault."}]
+
+
+@pytest.mark.parametrize("factory, overrides, match", [
+    (None, {"max_steps": 2}, "unless an `environment_factory`"),
+    ({"a": Riddle, "b": Riddle}, {"max_steps": 2}, "`environment` column"),
+    (Riddle, {}, r"max_steps=-1"),
+], ids=["no_environment", "dict_of_environments", "no_max_steps"])
+def test_no_dataset_is_refused_before_any_model_is_loaded(tmp_path, factory, overrides, match):
+    # the model is a folder that does not exist: the data is checked before anything is loaded from it
+    with pytest.raises(ValueError, match=match):
+        PPOTrainer(model=str(tmp_path / "not-a-model"), args=_config(tmp_path, **overrides), train_dataset=None,
+                   environment_factory=factory, reward_funcs=[_zero])

@@ -132,6 +132,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         critic_warmup_explained_variance (`float` or `None`, defaults to `None`):
             End the warm-up early, after the first update whose ``val/explained_variance``
             reaches this (<= 1). None: the warm-up takes ``critic_warmup_steps`` updates.
+        use_value_adapter (`bool`, defaults to `False`):
+            Give the critic its own LoRA adapter on the policy's base (``SharedActorCritic``'s
+            ``value_lora_config``; docs/critic.md), a copy of ``peft_config`` without ``lm_head``.
+            Needs ``peft_config`` (or a ``PeftModel`` policy) and ``advantage_estimator="gae"``.
         num_generations (`int`, defaults to `1`):
             Completions sampled per prompt in each rollout batch (TRL GRPO's name). The copies
             of a prompt sit on adjacent rows of one process, so group statistics need no
@@ -294,6 +298,12 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         default=None,
         metadata={"help": "End the critic warm-up after the first update whose val/explained_variance reaches "
             "this (<= 1). None: the warm-up takes critic_warmup_steps updates."},
+    )
+    use_value_adapter: bool = field(
+        default=False,
+        metadata={"help": "Give the critic its own LoRA adapter on the policy's base (the layout docs/critic.md "
+            "recommends for long responses with a reward at the end), a copy of peft_config without lm_head; "
+            "costs a second backbone pass per forward. Needs peft_config and advantage_estimator='gae'."},
     )
 
     num_generations: int = field(
@@ -487,6 +497,11 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 f"{self.advantage_estimator!r}, which trains no critic: there is nothing to warm up. Set "
                 "critic_warmup_steps=0, or advantage_estimator='gae'."
             )
+        if not self.trains_critic and self.use_value_adapter:
+            raise ValueError(
+                f"PPOConfig.use_value_adapter=True with advantage_estimator={self.advantage_estimator!r}, which trains "
+                "no critic: there is no value to give an adapter. Set use_value_adapter=False, or "
+                "advantage_estimator='gae'.")
         ignored = [] if self.trains_critic else _changed_from_default(self, CRITIC_ONLY_FIELDS)
         if ignored:  # a critic-free estimator reads none of these: say so rather than ignore them
             warnings.warn(

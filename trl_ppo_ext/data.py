@@ -61,6 +61,7 @@ def render_prompts(
     response_length: int | None = None,
     max_length: int | None = None,
     num_proc: int | None = None,
+    empty_ids: list[int] | None = None,
 ) -> tuple[Dataset, RenderInfo]:
     """Tokenise a prompt dataset for PPO; drop empty prompts and those that do not fit.
 
@@ -92,6 +93,8 @@ def render_prompts(
         max_length: the model's maximum positions (``config.max_position_embeddings``);
             prompts with more than ``max_length - response_length`` tokens are dropped.
         num_proc: processes for ``Dataset.map``.
+        empty_ids: the ids an empty prompt gets instead of being dropped (an environment's
+            ``reset`` gives its prompt, as in TRL GRPO's runs without a dataset); None drops it.
 
     Returns:
         ``(prompts, info)``: the dataset with an ``input_ids`` column (a list of ints per
@@ -130,7 +133,7 @@ def render_prompts(
 
     encoded = dataset.map(
         _encode_row,
-        fn_kwargs={"tokenizer": tokenizer, "column": column, "templated": templated},
+        fn_kwargs={"tokenizer": tokenizer, "column": column, "templated": templated, "empty_ids": empty_ids},
         # Every other column stays as it is (the prompt's messages, an `answer`, ...): the
         # collator hands them to reward functions. Old token columns would not match the new ids.
         remove_columns=[c for c in PromptCollator.TOKEN_KEYS if c in dataset.column_names],
@@ -198,7 +201,7 @@ def _prompt_messages(conversation: list) -> list[dict]:
     return messages
 
 
-def _encode_row(row: dict, tokenizer, column: str, templated: bool) -> dict:
+def _encode_row(row: dict, tokenizer, column: str, templated: bool, empty_ids: list[int] | None = None) -> dict:
     """``Dataset.map`` body: one row to ``input_ids`` plus the emptiness flag and length."""
     value = row[column]
     if _is_conversation(value):
@@ -214,7 +217,9 @@ def _encode_row(row: dict, tokenizer, column: str, templated: bool) -> dict:
             "expected a string or a list of {'role', 'content'} messages. Pass the right "
             "column as prompt_column."
         )
-    if empty:
+    if empty and empty_ids is not None:  # kept: an environment gives this prompt at reset
+        ids, empty = list(empty_ids), False
+    elif empty:
         ids = []
     elif messages is not None:
         ids = _template_ids(tokenizer, messages)

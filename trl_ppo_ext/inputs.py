@@ -13,7 +13,11 @@ same place, and renders the dataset's ``prompt`` column itself. These functions 
   neither) -> a critic made of the policy's backbone and a new scalar head, trained in full;
 * :func:`prompt_dataset`: a dataset without ``input_ids`` but with a ``prompt`` (or
   ``messages``) column -> rendered with the chat template (``data.render_prompts``); the
-  ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is.
+  ``(dataset, info)`` pair ``render_prompts`` returns is accepted as it is;
+* :func:`check_data_source` and :func:`environment_stand_in`: where an ``environment_factory``
+  owns the data (TRL 1.16), ``train_dataset=None`` with ``max_steps`` trains on GRPO's stand-in
+  (one empty user message per prompt), and an empty or missing prompt is the one ``reset(**row)``
+  gives, not a row to drop.
 
 ``trust_remote_code`` is set only when the config asks: in ``model_init_kwargs``, where
 ``PPOConfig(trust_remote_code=True)`` (GRPO's field) puts it.
@@ -36,7 +40,7 @@ import json
 import logging
 import os
 
-from .data import PROMPT_COLUMNS, RenderInfo, render_prompts
+from .data import PROMPT_COLUMNS, RenderInfo, _template_ids, render_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +117,42 @@ def load_processing_class(processing_class, model, trust_remote_code: bool = Fal
     return tokenizer
 
 
+# TRL 1.16 GRPO's prompt where the environment gives it: reset()'s text is appended to this user message
+ENVIRONMENT_PROMPT = [{"role": "user", "content": ""}]
+
+
+def check_data_source(args, train_dataset, environment_factory) -> None:
+    """Refuse ``train_dataset=None`` before any model is loaded, unless an environment owns the
+    data as TRL 1.16 allows it: one ``environment_factory`` (not a dict: its rows route by an
+    ``environment`` column) and ``max_steps > 0`` for the run's length. Errors name the fix."""
+    if train_dataset is not None:
+        return
+    if environment_factory is None:
+        raise ValueError(
+            "train_dataset=None: a dataset of prompts is required (a `prompt` column, or tokenized `input_ids`) "
+            "unless an `environment_factory` owns the data and returns each prompt from reset(); pass one of them.")
+    if isinstance(environment_factory, dict):
+        raise ValueError(
+            "train_dataset=None with a dict environment_factory (several environments): each row must say its "
+            "environment in an `environment` column. Pass such a dataset, or a single environment factory.")
+    if int(getattr(args, "max_steps", -1) or -1) <= 0:
+        raise ValueError(
+            f"train_dataset=None (the environment owns the data) with max_steps={getattr(args, 'max_steps', None)}: "
+            "without a dataset nothing else says how long to train. Set PPOConfig(max_steps=<updates>).")
+
+
+def environment_stand_in(args, num_processes: int = 1):
+    """TRL 1.16 GRPO's dataset where the environment owns the data: a ``prompt`` column of
+    :data:`ENVIRONMENT_PROMPT`, one rollout batch's prompts (``per_device_train_batch_size *
+    gradient_accumulation_steps / num_generations`` per process), cycled over the updates."""
+    from datasets import Dataset
+
+    per_process = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
+    return Dataset.from_dict({"prompt": [ENVIRONMENT_PROMPT] * (max(per_process, 1) * num_processes)})
+
+
 def prompt_dataset(dataset, tokenizer, *, response_length: int | None = None, max_length: int | None = None,
-                   name: str = "train_dataset"):
+                   name: str = "train_dataset", environment: bool = False):
     """The prompts as the trainer reads them (an ``input_ids`` column).
 
     Args:
@@ -124,6 +162,10 @@ def prompt_dataset(dataset, tokenizer, *, response_length: int | None = None, ma
             ``response_length`` within ``max_length`` are dropped with a count); or the
             ``(dataset, RenderInfo)`` pair ``render_prompts`` returns; or None.
         name: the argument's name, for errors.
+        environment: an ``environment_factory`` gives the prompts at ``reset(**row)`` (TRL
+            1.16): an empty prompt, or a dataset without a prompt column whose rows only feed
+            ``reset``, stands for :data:`ENVIRONMENT_PROMPT` (its template ids) instead of being
+            refused; no ``prompt`` column is added, so ``reset`` gets the row's own columns.
     Returns:
         the dataset, or None for None.
     """
@@ -134,13 +176,17 @@ def prompt_dataset(dataset, tokenizer, *, response_length: int | None = None, ma
     columns = getattr(dataset, "column_names", None)
     if columns is None or "input_ids" in columns:
         return dataset
+    empty_ids = _template_ids(tokenizer, ENVIRONMENT_PROMPT) if environment else None
+    if environment and not any(c in columns for c in PROMPT_COLUMNS):  # the rows only feed reset(**row)
+        return dataset.map(lambda _: {"input_ids": empty_ids}, desc="Environment prompts")
     if not any(c in columns for c in PROMPT_COLUMNS):
         raise ValueError(
             f"`{name}` has neither an `input_ids` column nor a prompt column ({' or '.join(PROMPT_COLUMNS)}); its "
             f"columns: {list(columns)}. Name the prompt column `prompt` (text or a list of messages), or tokenize "
             "the prompts yourself into `input_ids`."
         )
-    rendered, _ = render_prompts(dataset, tokenizer, response_length=response_length, max_length=max_length)
+    rendered, _ = render_prompts(dataset, tokenizer, response_length=response_length, max_length=max_length,
+                                 empty_ids=empty_ids)
     return rendered
 
 
@@ -222,19 +268,27 @@ def default_value_model(policy):
 
 
 def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset,
-                   value_model, peft_config) -> tuple:
+                   value_model, peft_config, environment_factory=None) -> tuple:
     """Every input of ``PPOTrainer`` as the trainer reads it, in its argument order: the policy
     (:func:`load_policy`), its tokenizer (:func:`load_processing_class`), the reward models
-    (:func:`load_reward_models`), both datasets (:func:`prompt_dataset`) and the critic
+    (:func:`load_reward_models`), both datasets (:func:`prompt_dataset`; with an
+    ``environment_factory``, ``train_dataset=None`` is :func:`environment_stand_in`, checked by
+    :func:`check_data_source` before anything is loaded) and the critic
     (:func:`value_model_or_default`; none is made when ``args.advantage_estimator`` reads no value)."""
+    check_data_source(args, train_dataset, environment_factory)
+    if train_dataset is None:
+        from .distributed import process_state
+
+        train_dataset = environment_stand_in(args, process_state().num_processes)
     model = load_policy(model, args)
     processing_class = load_processing_class(processing_class, model,
                                              bool(model_init_kwargs(args).get("trust_remote_code", False)))
     reward_model, reward_funcs = load_reward_models(reward_model, reward_funcs, args)
     train_dataset, eval_dataset = (
         prompt_dataset(dataset, processing_class, response_length=args.response_length,
-                       max_length=max_positions(model), name=name)
+                       max_length=max_positions(model), name=name, environment=environment_factory is not None)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)))
     with_value = getattr(args, "advantage_estimator", "gae") == "gae"
-    value_model = value_model_or_default(model, value_model, peft_config, with_value=with_value)
+    if not getattr(args, "use_value_adapter", False):  # else the critic is an adapter on the policy's base
+        value_model = value_model_or_default(model, value_model, peft_config, with_value=with_value)
     return model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset, value_model

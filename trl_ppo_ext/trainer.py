@@ -46,6 +46,7 @@ from transformers import TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState
+from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed, speed_metrics
 
 from . import critic_warmup, inputs
 from . import functional as F
@@ -93,6 +94,7 @@ from .models.prepare import (
     warn_low_precision_trainables,
 )
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel, with_process_reward_models
@@ -118,6 +120,7 @@ from .rollout import (
     generation_stop_ids,
     left_pad,
     reference_response_logprobs,
+    response_values,
     reward_model_scores,
     row_extents,
     sampling_config,
@@ -133,6 +136,7 @@ from .run.manifest import ManifestMixin
 from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
 from .run.state import RunCounters
 from .sampler import EpochSeededSampler
+from .scoring_plan import plan_scoring
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +145,11 @@ INFLIGHT_TOOL_STATS = "_tool_loop_stats"
 
 # The metrics a run without a critic does not log (see PPOTrainer.update_metrics).
 CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
+# The hooks whose override may read a rollout's old log-probs otherwise than the update's first forward would give
+# them (a rollout of an older policy, a loss of its own): with one overridden, they are computed before the update
+SCORING_HOOKS = ("produce_rollout", "compute_loss_terms")
+# compute_loss_terms' statistic that carries the on-policy update's first log-probs (b, T) to the rollout
+FIRST_LOGPROBS = "_first_logprobs"
 
 
 @dataclass
@@ -201,9 +210,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ) -> None:
         # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
         args = as_ppo_config(args if args is not None else inputs.default_args(model))
+        seed_construction(args)  # before any model, head or adapter is built (issue 44: a new critic head was not)
         (model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset,
          value_model) = inputs.trainer_inputs(args, model, processing_class, reward_model, reward_funcs,
-                                              train_dataset, eval_dataset, value_model, peft_config)
+                                              train_dataset, eval_dataset, value_model, peft_config,
+                                              environment_factory)
         self.args = args
         self.processing_class = processing_class
         if rollout_func is not None and not callable(rollout_func):
@@ -235,7 +246,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.episodes_per_epoch = self.train_dataset_len * args.num_generations
 
         # a critic-free estimator: no value head, adapter or model anywhere (a value model given is dropped, warned)
-        wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic)
+        wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic,
+                                                  value_adapter=args.use_value_adapter)
         self.policy_model = wrapper.policy
         self.value_model = None if not wrapper.has_value else value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
@@ -257,7 +269,15 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 if lengths is not None:  # the engine's context too, on the lengths read once
                     check_engine_context(args, lengths, name)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
-        self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
+        # which scoring forwards the update reads (issue 42): none of the reference where nothing reads a KL
+        self.scoring = plan_scoring(args, trains_critic=args.trains_critic, values_alone=has_values_alone(wrapper),
+                                    custom_update=any(getattr(type(self), hook) is not getattr(PPOTrainer, hook)
+                                                      for hook in SCORING_HOOKS))
+        self.ref_model = None
+        if self.scoring.reference:
+            self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
+        elif ref_model is not None:
+            logger.info("ref_model is not used: nothing reads the reference (kl_coef=0, no adaptive_kl, no KL guard).")
         self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
             entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
                             *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
@@ -496,9 +516,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                                  self.model_adapter_name)
 
     # ------------------------------------------------------------------ phases
-    def train(self, resume_from_checkpoint: str | bool | None = None):
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run PPO updates until ``num_total_batches``: rollout -> score -> advantages -> update
-        -> log, then guards, KL control and checkpoints.
+        -> log, then guards, KL control and checkpoints. Returns a ``TrainOutput`` (:meth:`train_output`).
 
         Args:
             resume_from_checkpoint: a checkpoint folder, or True for the latest complete one in
@@ -526,6 +546,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if status == PREEMPTED and self.args.on_sigterm == "save_and_exit":
             self.accelerator.print("Preempted (SIGTERM): checkpoint written, exiting with status 0.")
             raise SystemExit(0)
+        return self.train_output()
+
+    def train_output(self) -> TrainOutput:
+        """What ``train()`` returns, as transformers' (and TRL GRPO's) ``Trainer.train`` does:
+        ``TrainOutput(global_step, training_loss, metrics)``, ``training_loss`` the mean over this
+        call's updates of each update's mean micro-batch loss, ``metrics`` transformers'
+        ``train_runtime``, ``train_samples_per_second`` (episodes), ``train_steps_per_second``
+        (updates) and ``train_loss``."""
+        updates = self.state.global_step - self._start_step
+        training_loss = self._loss_total / max(updates, 1)
+        metrics = speed_metrics("train", self._start_time, num_samples=self.state.episode - self._start_episode,
+                                num_steps=updates)
+        metrics["train_loss"] = training_loss
+        return TrainOutput(self.state.global_step, training_loss, metrics)
 
     def _train_loop(self) -> tuple[str, str | None]:
         """Updates until ``state.max_steps`` (``num_total_batches``; fewer or more after resuming on
@@ -558,6 +592,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         applied, skipped = self._applied_steps, self.counters.nonfinite_steps
         self._critic_warming = warming = critic_warmup.warming(self.args, self.counters)
         update_stats, decision = self.ppo_update(rollout, advantages, update)
+        if update_stats.get("loss") is not None and update_stats["loss"].numel():  # train()'s training_loss
+            self._loss_total += float(update_stats["loss"].mean())
         self._critic_warming = False
         all_skipped = self._applied_steps == applied and self.counters.nonfinite_steps > skipped
         metrics = self.update_metrics(rollout, advantages, update_stats)
@@ -575,7 +611,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if decision.halt:
             metrics["guard/halted"] = 1.0  # the update a guard stopped the run at is logged, whatever logging_steps
         metrics["objective/kl_coef"] = self.kl_controller.value
-        if not (all_skipped or warming):  # the policy did not move: the KL seen says nothing about the coefficient
+        if not (all_skipped or warming) and "objective/kl" in metrics:  # the policy moved, and a KL was measured
             self.kl_controller.update(metrics["objective/kl"], self.args.batch_size)
         self.log_update(metrics)
         if self.args.log_completions and log_due(self.state.global_step, self.state.max_steps,
@@ -621,7 +657,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if path is None and self._saves_checkpoints():
             self._save_checkpoint(self.model)
         self._start_time = self._last_update_time = time.time()
-        self._start_episode = self.state.episode
+        self._start_episode, self._start_step, self._loss_total = self.state.episode, self.state.global_step, 0.0
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._restore_rng()  # last: anything above may draw random numbers
 
@@ -886,22 +922,32 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
         """Old log-probs and values, reference log-probs and rewards of a sampled batch: once
-        each, per chunk of ``local_rollout_forward_batch_size`` rows.
+        each, per chunk of ``local_rollout_forward_batch_size`` rows; only those the run reads
+        (``self.scoring``, ``scoring_plan``): without a reference the old log-probs stand in for its
+        (a KL of 0), and an on-policy critic-free update fills the old log-probs with its own first
+        forward's (zeros until then).
 
         No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
         Each frozen model is moved to the GPU once for all its chunks when offloaded.
         """
         chunks = self.scoring_chunks(sample)
-        logprobs, values = zip(*(self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks))
-        with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
-            ref_logprobs = [self.reference_logprobs(p, i) for p, i in chunks]
+        if self.scoring.old_logprobs:
+            logprobs, values = (chunks.merge(x) for x in zip(*(
+                self.policy_logprobs_and_values(self.unwrapped, p, i) for p, i in chunks)))
+        else:  # on-policy: the update's own first forward gives pi_old (scoring_plan); a critic's pass alone V
+            logprobs = values = torch.zeros(sample.responses.shape, device=sample.responses.device)
+            if self.args.trains_critic:
+                values = chunks.merge([self.critic_values(self.unwrapped, p, i) for p, i in chunks])
+        ref_logprobs = logprobs  # nothing reads the reference: the KL to pi_old is exactly 0 and not logged
+        if self.scoring.reference:
+            with self._frozen_on_device(self.ref_model, self.args.offload_ref_model):
+                ref_logprobs = chunks.merge([self.reference_logprobs(p, i) for p, i in chunks])
         if type(self).score_rewards is PPOTrainer.score_rewards:
             scores, reward_values, reward_applies, token_rewards = self.score_rewards_per_token(sample, chunks)
         else:  # a subclass's own score_rewards: sequence rewards, as before per-token rewards existed
             (scores, reward_values, reward_applies), token_rewards = self.score_rewards(sample, chunks), None
         return scored_rollout(
-            sample, logprobs=chunks.merge(logprobs), ref_logprobs=chunks.merge(ref_logprobs),
-            values=chunks.merge(values),
+            sample, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
             scores=scores, reward_values=reward_values, reward_applies=reward_applies, token_rewards=token_rewards,
         )
 
@@ -992,6 +1038,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """``(log pi(a_t|s_t), V(s_t))``, both ``(b, T)``."""
         logits, values = self.response_forward(model, part, inputs)
         return F.logprobs_from_logits(logits, part.valid_responses), values
+
+    def critic_values(self, model, part: SampledBatch, inputs) -> torch.Tensor:
+        """``V(s_t)`` ``(b, T)`` from the critic's own pass, without the policy's (a value model or a
+        value adapter, ``models.values``): an on-policy update's scoring reads nothing else."""
+        T = part.responses.shape[1]
+        with self.accelerator.autocast():
+            values = value_forward(model, *inputs, keep=T + 1)
+        return response_values(values, T)
 
     def reference_logprobs(self, part: SampledBatch, inputs) -> torch.Tensor:
         """``log pi_ref(a_t|s_t)`` ``(b, T)``: a separate reference model or the disabled adapter."""
@@ -1088,6 +1142,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 if self.args.trim_forwards:  # the micro-batch's own extent
                     mb, mb_adv = trimmed_together(mb, mb_adv)
                 loss, micro_stats = self.compute_loss_terms(mb, mb_adv, num_tokens, **sequence_count)
+                first = micro_stats.pop(FIRST_LOGPROBS, None)
+                if first is not None:  # on-policy: the rollout's pi_old is the update's first forward (scoring_plan)
+                    rollout.logprobs[micro, : first.shape[1]] = first
                 nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
                 accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients:
@@ -1168,12 +1225,18 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         settings = loss_settings(self.args)
         if not self.args.trains_critic:  # no critic: its values are zeros without a graph, and no value loss counts
             settings["vf_coef"] = 0.0
-        return ppo_loss(
-            new_logprobs, resp_logits, new_values, old_logprobs=mb.logprobs, old_values=mb.values,
+        old_logprobs = mb.logprobs
+        if not self.scoring.old_logprobs:  # on-policy: this first forward is pi_old, so the ratio is exactly 1
+            old_logprobs = new_logprobs.detach().masked_fill(~mb.response_mask, 0.0)
+        loss, stats = ppo_loss(
+            new_logprobs, resp_logits, new_values, old_logprobs=old_logprobs, old_values=mb.values,
             advantages=adv.advantages, returns=adv.returns, response_mask=mb.loss_mask, num_tokens=num_tokens,
             pg_weights=weights, num_sequences=num_sequences, max_completion_length=self.args.response_length,
             **settings,
         )
+        if not self.scoring.old_logprobs:
+            stats[FIRST_LOGPROBS] = old_logprobs  # for the rollout's metrics (see _minibatch_step)
+        return loss, stats
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
         """The truncated importance weights ``pi_old / pi_engine`` of a micro-batch sampled by vLLM
@@ -1190,6 +1253,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if not self.args.trains_critic:  # a critic-free estimator: no value loss, values or returns to report
             for key in CRITIC_METRICS:
                 metrics.pop(key, None)
+        if not self.scoring.reference:  # no KL was computed: none is logged (GRPO logs kl only where beta != 0)
+            metrics.pop("objective/kl", None)
         if self.args.num_generations > 1:  # TRL GRPO's group figures (a collective: every process calls it)
             metrics.update({k: float(v) for k, v in group_reward_metrics(rollout.scores, self.args.num_generations)
                             .items()})
@@ -1314,6 +1379,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             for batch in self.eval_dataloader:
                 r = self.score_rollout(self.generate_rollout(batch))
                 row = evaluation_row(r, self.rewards, self.args.kl_estimator)
+                if not self.scoring.reference:  # no reference ran: no KL to report
+                    row.pop("eval/kl", None)
                 row.update(user_metric_rows(self.eval_metrics, tok, r))
                 for key, values in row.items():
                     columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
@@ -1350,6 +1417,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if self.accelerator.is_main_process:
             show_completions(df, self.args.report_to)
         return df
+
+
+def seed_construction(args) -> None:
+    """Seed every RNG with ``args.seed`` (with ``full_determinism``, deterministic kernels too), as
+    transformers' ``Trainer`` does in its constructor: what the trainer builds after it -- a
+    critic's new value head, a LoRA adapter's first weights, a model loaded from a name -- is the
+    same for one seed whatever the script drew before (issue 44)."""
+    (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
 
 
 def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:

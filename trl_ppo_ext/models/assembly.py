@@ -13,6 +13,10 @@ causal LM / PeftModel  None                given / None     ``SharedActorCritic`
 causal LM              a scorer            given / None     ``PolicyAndValue`` (LoRA'd when given)
 =====================  ==================  ===============  ======================================
 
+``value_adapter=True`` (``PPOConfig.use_value_adapter``): a causal LM with ``peft_config``, or a
+``PeftModel``, and no ``value_model`` -> ``SharedActorCritic`` whose critic has its own LoRA adapter
+(:func:`value_adapter_config` of the policy's), the layout ``docs/critic.md`` recommends for long credit.
+
 Without a critic (``with_value=False``: an advantage estimator that reads no value), no value
 parameter exists anywhere and a ``value_model`` is ignored with a warning:
 
@@ -47,12 +51,12 @@ from .policy_value import PolicyAndValue
 
 __all__ = [
     "build_policy_and_value", "build_reference", "check_separate_reference", "checkpointing_kwargs",
-    "reference_adapter",
+    "reference_adapter", "value_adapter_config",
 ]
 
 
 def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft_config=None, *,
-                           with_value: bool = True) -> nn.Module:
+                           with_value: bool = True, value_adapter: bool = False) -> nn.Module:
     """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
     ``(logits (B, L, V), values (B, L))``: a ``SharedActorCritic`` or a ``PolicyAndValue`` pair
     (see the module's tables). ``get_peft_model`` wraps ``model`` in place when ``peft_config``
@@ -60,6 +64,7 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
 
     ``with_value=False``: the critic-free module (second table); its ``has_value`` is False and
     its values are 0. A ``value_model`` given anyway is not used (``UserWarning``).
+    ``value_adapter=True``: the critic gets a LoRA adapter of its own (:func:`_build_value_adapter`).
 
     Raises:
         ValueError: a combination of the table's columns that is not in it, naming the
@@ -69,6 +74,8 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
 
     if not with_value:
         return _build_policy_only(model, value_model, peft_config)
+    if value_adapter:
+        return _build_value_adapter(model, value_model, peft_config)
     if getattr(model, "is_actor_critic", False):
         if value_model is not None:
             raise ValueError(
@@ -99,6 +106,44 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
             )
         policy = get_peft_model(model, peft_config)
     return PolicyAndValue(policy, value_model)
+
+
+def value_adapter_config(lora_config):
+    """The critic's own adapter: the policy's ``lora_config`` copied without ``lm_head`` among its
+    targets (the value pass never reaches it), ``modules_to_save`` or a task type -- what the
+    examples' ``--value_lora`` builds by hand. The caller's config is not changed."""
+    config = copy.deepcopy(lora_config)
+    if isinstance(config.target_modules, (list, set, tuple)):
+        config.target_modules = {name for name in config.target_modules if name != "lm_head"}
+    config.modules_to_save = None
+    config.task_type = None
+    return config
+
+
+def _build_value_adapter(model: nn.Module, value_model: nn.Module | None, peft_config) -> nn.Module:
+    """``build_policy_and_value(..., value_adapter=True)``: ``SharedActorCritic`` with
+    ``value_lora_config=value_adapter_config(<the policy's LoRA config>)``."""
+    from peft import PeftModel
+
+    from .actor_critic import SharedActorCritic
+
+    if getattr(model, "is_actor_critic", False):
+        raise ValueError(
+            "use_value_adapter=True and `model` is a SharedActorCritic, which is built already. Pass the causal LM "
+            "(or its name) with peft_config, or build the actor-critic with value_lora_config=... and "
+            "use_value_adapter=False.")
+    if value_model is not None:
+        raise ValueError(
+            f"use_value_adapter=True gives the critic an adapter on the policy's base, and a value_model "
+            f"({type(value_model).__name__}) was passed too. Pass value_model=None, or use_value_adapter=False "
+            "for the separate critic.")
+    if peft_config is None and not isinstance(model, PeftModel):
+        raise ValueError(
+            "use_value_adapter=True with peft_config=None: the value adapter sits beside the policy's LoRA adapter "
+            "on a frozen base. Pass peft_config=peft.LoraConfig(task_type='CAUSAL_LM', ...) (the critic's adapter "
+            "copies it), or a PeftModel policy.")
+    policy_config = peft_config if peft_config is not None else model.peft_config[model.active_adapter]
+    return SharedActorCritic(model, lora_config=peft_config, value_lora_config=value_adapter_config(policy_config))
 
 
 def _build_policy_only(model: nn.Module, value_model: nn.Module | None, peft_config) -> nn.Module:

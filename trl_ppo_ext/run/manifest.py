@@ -487,7 +487,9 @@ class ManifestMixin:
         unwrapped = self.accelerator.unwrap_model(self.model)
         shared = getattr(unwrapped, "is_actor_critic", False)
         models = {"policy": model_identity(unwrapped.policy, "policy")}
-        if self.ref_model is None:
+        if self.ref_model is None and not getattr(getattr(self, "scoring", None), "reference", True):
+            models["reference"] = {"role": "reference", "none": "nothing reads it (kl_coef=0, no KL guard)"}
+        elif self.ref_model is None:
             models["reference"] = {"role": "reference", "same_as": "policy with its adapter disabled",
                                    "shared_with": ["policy"]}
         else:
