@@ -108,7 +108,7 @@ def test_a_grpo_script_logs_grpos_keys_samples_through_its_filters_and_prints_it
         assert log["kl"] == 0.0 and log["objective/kl"] == 0.0
         assert log["reward"] == log["objective/scores_before_penalty"]
     assert logs[1]["num_tokens"] > logs[0]["num_tokens"] > 0  # tokens so far, as GRPO counts them
-    assert output is None or output.global_step == 2 and output.metrics["train_loss"] == output.training_loss
+    assert output.global_step == 2 and output.metrics["train_loss"] == output.training_loss
 
     (run,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}
     events = EventAccumulator(str(run))
