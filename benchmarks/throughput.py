@@ -28,11 +28,11 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
             ``shared`` with a value adapter of its own (``value_lora_config``, the same rank
             and targets): a second backbone pass for the values (not in the default run).
   shared_grpo, shared_kl0, shared_vlora_kl0
-            issue 42's arms (not in the default run): the shared LoRA layout with
+            the forward-savings arms (not in the default run): the shared LoRA layout with
             ``advantage_estimator="grpo"``, ``num_generations=4`` (``--num-generations``) and
             ``kl_coef=0`` (no critic), and ``shared`` / ``shared_vlora`` with ``kl_coef=0``. A
             ``_scored`` suffix runs the same arm with every scoring forward of the code before
-            issue 42 (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
+            the forward savings (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
             ``X / X_scored``, paired per repeat, is what the skipped forwards save; those ratios
             are printed as ``forward savings``.
   trl_grpo  TRL 1.16's ``GRPOTrainer`` (TRL >= 1.13; not in the default run) on the same policy
@@ -260,7 +260,7 @@ def timed_ours_class():
             with self.clock.phase("score.ref"):
                 return super().reference_logprobs(*args, **kwargs)
 
-        def critic_values(self, *args, **kwargs):  # the critic's pass alone (issue 42)
+        def critic_values(self, *args, **kwargs):  # the critic's pass alone (the forward savings)
             with self.clock.phase("score.value"):
                 return super().critic_values(*args, **kwargs)
 
@@ -448,7 +448,7 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         contender, cfg = contender.removesuffix("_nockpt"), {**cfg, "gradient_checkpointing": False}
     if contender.endswith("_full"):
         contender, cfg = contender.removesuffix("_full"), {**cfg, **FULL_WIDTH}
-    scored = contender.endswith("_scored")  # every scoring forward of the code before issue 42
+    scored = contender.endswith("_scored")  # every scoring forward of the code before the forward savings
     contender = contender.removesuffix("_scored")
     if contender.endswith("_kl0"):
         contender, cfg = contender.removesuffix("_kl0"), {**cfg, "kl_coef": 0.0}
@@ -477,7 +477,7 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
                                   value_lora_config=value_lora if contender == "shared_vlora" else None)
         trainer = cls(args=config, model=model, ref_model=None, value_model=None,
                       reward_model=models.fresh("reward"), **common)
-    if scored and hasattr(trainer, "scoring"):  # code before issue 42 (which has no `scoring`) always scores
+    if scored and hasattr(trainer, "scoring"):  # code before the forward savings (which has no `scoring`) always scores
         from trl_ppo_ext.scoring_plan import ScoringPlan
 
         trainer.scoring = ScoringPlan(reference=True, old_logprobs=True)
@@ -719,7 +719,7 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
 
 
 def print_forward_savings(results: dict[str, list[dict]]) -> None:
-    """For each issue 42 arm run both ways: ``X / X_scored`` episodes/s, paired per repeat (median, range)."""
+    """For each forward-savings arm, run both ways: ``X / X_scored`` episodes/s, paired per repeat (median, range)."""
     for c in (c for c in CONTENDERS if f"{c}_scored" in results and c in results):
         paired = paired_ratios(results, c, f"{c}_scored", episodes_per_second)
         print(f"forward savings {c}/{c}_scored: {statistics.median(paired):.2f}x episodes/s "

@@ -167,6 +167,7 @@ def test_the_tokenizer_is_loaded_with_the_configs_trust_remote_code(monkeypatch,
     monkeypatch.setattr(inputs_module, "load_policy", lambda model, args: model)
     monkeypatch.setattr(inputs_module, "load_reward_models", lambda rm, funcs, args: (rm, funcs))
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path="some/folder"))
+    prompts = Dataset.from_dict({"input_ids": [[5, 6, 7]]})  # tokenized: the fake tokenizer is never asked to render
     for config, expected in ((make_config(trust_remote_code=True), {"trust_remote_code": True}), (make_config(), {})):
-        inputs_module.trainer_inputs(config, model, None, None, None, None, None, object(), None)
+        inputs_module.trainer_inputs(config, model, None, None, None, prompts, None, object(), None)
         assert seen.pop() == expected

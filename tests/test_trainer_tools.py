@@ -12,27 +12,15 @@ from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import tiny_setup  # noqa: E402
 from tiny_setup import TOOL_CALL as CALL  # noqa: E402
-from tiny_setup import multiply, tool_config, tool_dataset  # noqa: E402
+from tiny_setup import multiply, scripted_continuations, tool_config, tool_dataset  # noqa: E402
 
 _config, _data = tool_config, tool_dataset
 
 
-class Vault:
-    """One per rollout: the code is the row's `target`; its method `try_code` is the tool."""
-
-    def reset(self, target, **row):
-        self.target, self.opened = target, False
-
-    def try_code(self, code: int) -> str:
-        """
-        Try a code on the vault.
-
-        Args:
-            code: The code to try.
-        """
-        self.opened = code == self.target
-        return "open" if self.opened else "locked"
+class Vault(tiny_setup.Vault):
+    """tiny_setup's vault, with its own reward: 1 once opened."""
 
     def get_reward(self) -> float:
         return float(self.opened)
@@ -49,9 +37,7 @@ class ScriptedTurns(PPOTrainer):
     def generate_continuations(self, prefixes, max_new_tokens, temperature=None):
         tok = self.processing_class
         texts = [self.first_turn if "<tool_response>" not in tok.decode(p) else "42<|im_end|>" for p in prefixes]
-        budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else max_new_tokens
-        ids = [tok(t, add_special_tokens=False).input_ids[:n] for t, n in zip(texts, budgets)]
-        return ids, [[-0.5] * len(row) for row in ids]
+        return scripted_continuations(tok, texts, max_new_tokens)
 
 
 @pytest.fixture(scope="module")

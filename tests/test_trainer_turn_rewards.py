@@ -15,7 +15,7 @@ from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from tiny_setup import TOOL_CALL as CALL  # noqa: E402
-from tiny_setup import tool_config  # noqa: E402
+from tiny_setup import scripted_continuations, tool_config  # noqa: E402
 
 
 class Steps:
@@ -43,9 +43,7 @@ class TwoMoves(PPOTrainer):
         tok = self.processing_class
         texts = [CALL.format(name="move", args='{"direction": "n"}') if tok.decode(p).count("<tool_response>") < 2
                  else "Done.<|im_end|>" for p in prefixes]
-        budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else max_new_tokens
-        ids = [tok(t, add_special_tokens=False).input_ids[:n] for t, n in zip(texts, budgets)]
-        return ids, [[-0.5] * len(row) for row in ids]
+        return scripted_continuations(tok, texts, max_new_tokens)
 
 
 @pytest.fixture(scope="module")

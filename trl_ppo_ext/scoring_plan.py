@@ -1,4 +1,4 @@
-"""Which scoring forwards a run needs before its update (issue 42): no forward nothing reads.
+"""Which scoring forwards a run needs before its update: no forward nothing reads.
 
 Before the update the trainer scores each rollout: the old policy's log-probs and the critic's
 values (one forward), the reference's log-probs (another). TRL 1.16's ``GRPOTrainer`` runs neither

@@ -210,7 +210,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     ) -> None:
         # a GRPO user's inputs (trl_ppo_ext.inputs): model / reward ids, no tokenizer, raw prompts, no critic
         args = as_ppo_config(args if args is not None else inputs.default_args(model))
-        seed_construction(args)  # before any model, head or adapter is built (issue 44: a new critic head was not)
+        seed_construction(args)  # before any model, head or adapter is built (a new critic head was not, once)
         (model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset,
          value_model) = inputs.trainer_inputs(args, model, processing_class, reward_model, reward_funcs,
                                               train_dataset, eval_dataset, value_model, peft_config,
@@ -269,7 +269,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 if lengths is not None:  # the engine's context too, on the lengths read once
                     check_engine_context(args, lengths, name)
         self.reward_model = reward_model  # TRL's attribute: the first reward model, or None
-        # which scoring forwards the update reads (issue 42): none of the reference where nothing reads a KL
+        # which scoring forwards the update reads: none of the reference where nothing reads a KL
         self.scoring = plan_scoring(args, trains_critic=args.trains_critic, values_alone=has_values_alone(wrapper),
                                     custom_update=any(getattr(type(self), hook) is not getattr(PPOTrainer, hook)
                                                       for hook in SCORING_HOOKS))
@@ -1423,7 +1423,7 @@ def seed_construction(args) -> None:
     """Seed every RNG with ``args.seed`` (with ``full_determinism``, deterministic kernels too), as
     transformers' ``Trainer`` does in its constructor: what the trainer builds after it -- a
     critic's new value head, a LoRA adapter's first weights, a model loaded from a name -- is the
-    same for one seed whatever the script drew before (issue 44)."""
+    same for one seed whatever the script drew before."""
     (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
 
 

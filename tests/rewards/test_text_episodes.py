@@ -20,24 +20,9 @@ from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer, bu
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tiny_setup import TOOL_CALL as CALL  # noqa: E402
-from tiny_setup import multiply, tool_config, tool_dataset  # noqa: E402
+from tiny_setup import Vault, multiply, scripted_continuations, tool_config, tool_dataset  # noqa: E402
 
 NO_THINK = {"enable_thinking": False}
-
-
-class Vault:
-    def reset(self, target, **row):
-        self.target, self.opened = target, False
-
-    def try_code(self, code: int) -> str:
-        """
-        Try a code on the vault.
-
-        Args:
-            code: The code to try.
-        """
-        self.opened = code == self.target
-        return "open" if self.opened else "locked"
 
 
 def scripted(first_turn):
@@ -47,9 +32,7 @@ def scripted(first_turn):
         def generate_continuations(self, prefixes, max_new_tokens, temperature=None):
             tok = self.processing_class
             texts = [first_turn if "<tool_response>" not in tok.decode(p) else "42<|im_end|>" for p in prefixes]
-            budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else max_new_tokens
-            ids = [tok(t, add_special_tokens=False).input_ids[:n] for t, n in zip(texts, budgets)]
-            return ids, [[-0.5] * len(row) for row in ids]
+            return scripted_continuations(tok, texts, max_new_tokens)
 
     return Scripted
 

@@ -35,6 +35,7 @@ from tiny_setup import record_optimizer_steps, run_and_exit, tiny_models
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
 from trl_ppo_ext.models.fsdp import fsdp2_units
 from trl_ppo_ext.models.sharding import is_fsdp2_param
+from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 UPDATES = 3
@@ -105,7 +106,7 @@ def resume_check(tok, layout, out: Path, main, checkpoint: int) -> dict:
     again = make_trainer(tok, layout, out / f"{layout}_resume_check", save=True)
     again.train(resume_from_checkpoint=str(out / layout / "out" / f"checkpoint-{checkpoint}"))
     a, b = trainable_params(main), trainable_params(again)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "eps"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
     return {"params_equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
             "logs_equal": strip(logs(main))[checkpoint:] == strip(logs(again))[checkpoint:]}
 

@@ -199,6 +199,32 @@ def tool_config(tmp_path, **overrides):
     return PPOConfig(**kwargs)
 
 
+def scripted_continuations(tokenizer, texts, max_new_tokens):
+    """A tool loop's turns replayed from a script: each text tokenized and cut to its row's budget
+    (``max_new_tokens``: one for every row or one per row), with log-probs -0.5 (a script has no
+    sampler; the tests that replay turns read none)."""
+    budgets = [max_new_tokens] * len(texts) if isinstance(max_new_tokens, int) else max_new_tokens
+    ids = [tokenizer(t, add_special_tokens=False).input_ids[:n] for t, n in zip(texts, budgets)]
+    return ids, [[-0.5] * len(row) for row in ids]
+
+
+class Vault:
+    """One environment per rollout: the code is the row's ``target``; its method ``try_code`` is the tool."""
+
+    def reset(self, target, **row):
+        self.target, self.opened = target, False
+
+    def try_code(self, code: int) -> str:
+        """
+        Try a code on the vault.
+
+        Args:
+            code: The code to try.
+        """
+        self.opened = code == self.target
+        return "open" if self.opened else "locked"
+
+
 def tool_dataset(n=4):
     """``n`` conversational prompts with a ``target`` column (40, 41, ...)."""
     from datasets import Dataset

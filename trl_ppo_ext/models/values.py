@@ -1,4 +1,4 @@
-"""The critic's values without the policy's pass, where the layout has one (issue 42).
+"""The critic's values without the policy's pass, where the layout has one.
 
 Before an on-policy update that reads no KL, the old log-probs come from the update's own first
 forward (``scoring_plan``), so the scoring forward is needed only for ``V(s_t)``. Two layouts give
