@@ -115,7 +115,7 @@ def _scripted_group(tok):
     return rollout_func, reward
 
 
-def test_an_unscorable_row_gets_trl_grpo_trainers_advantages(tmp_path):
+def test_an_unscorable_row_gets_trl_grpo_trainers_advantages(needs_trl_grpo, tmp_path):
     """TRL 1.16's GRPOTrainer itself on the same episodes: [1.155, 0, -0.577, -0.577] (ours were
     [1.5, -0.5, -0.5, -0.5] before issue 40: the unscored row scored 0 and joined the baseline)."""
     from datasets import Dataset

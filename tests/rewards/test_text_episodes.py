@@ -61,7 +61,7 @@ def trl_scores(trainer, rm, rm_tok, kwargs):
 
 
 @pytest.mark.parametrize("agent", ["tools", "environment_factory"])
-def test_a_reward_model_of_its_own_tokenizer_scores_the_episode_as_trl_grpo(tmp_path, models, agent):
+def test_a_reward_model_of_its_own_tokenizer_scores_the_episode_as_trl_grpo(needs_trl_grpo, tmp_path, models, agent):
     from trl.data_utils import apply_chat_template
 
     policy, tok, rm, rm_tok = models
@@ -90,7 +90,7 @@ def test_a_reward_model_of_its_own_tokenizer_scores_the_episode_as_trl_grpo(tmp_
     torch.testing.assert_close(scores, theirs.to(scores), rtol=0, atol=1e-5)
 
 
-def test_a_rollout_funcs_messages_are_what_the_reward_model_reads(tmp_path, models):
+def test_a_rollout_funcs_messages_are_what_the_reward_model_reads(needs_trl_grpo, tmp_path, models):
     policy, tok, rm, rm_tok = models
     call = CALL.format(name="multiply", args='{"a": 6, "b": 7}')
     messages = [{"role": "assistant", "content": "",
