@@ -59,6 +59,8 @@ def test_a_second_signal_during_the_save_ends_the_process(second):
 
     code = (
         "import os, signal, time\n"
+        # Python's own SIGINT handler, also where this test runs in a background job (SIGINT ignored)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from trl_ppo_ext.run.preemption import SigtermWatcher\n"
         "with SigtermWatcher('save_and_exit') as watcher:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
