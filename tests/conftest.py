@@ -62,13 +62,23 @@ from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
+def pytest_addoption(parser):
+    parser.addoption("--launches", action="store_true",
+                     help="also run the tests marked `launches` (multi-process launches and whole training "
+                          "runs in subprocesses: DeepSpeed, FSDP2, DDP, SIGKILL/SIGTERM, the learning examples)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
+    if not config.getoption("--launches"):
+        skips["launches"] = pytest.mark.skip(
+            reason="a launch of its own (multi-process or a whole run in a subprocess): run with --launches, as CI does")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -31,6 +31,7 @@ from trl_ppo_ext.reporting import TIMING_KEYS
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.launches,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                        reason="DeepSpeed is not installed (pip install -e '.[test,deepspeed]')"),
 ]

@@ -44,12 +44,14 @@ def _mode_reports(runs, mode):
                 + "".join(errors.values())[-6000:] + proc.stdout[-3000:] + proc.stderr[-6000:])
 
 
+@pytest.mark.launches
 def test_the_launch_of_every_mode_exits_cleanly(two_process_runs):
     """The exit status of the work (and of the launch's end) after the last mode."""
     out, proc = two_process_runs
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("mode", MODES)
 def test_two_process_train(two_process_runs, mode):
     ranks = _mode_reports(two_process_runs, mode)

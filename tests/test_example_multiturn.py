@@ -120,6 +120,7 @@ LEARNS_BY = 0.25
 
 
 @pytest.mark.slow
+@pytest.mark.launches
 def test_example_learns_in_a_subprocess(tmp_path):
     out = tmp_path / "multiturn"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

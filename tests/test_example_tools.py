@@ -169,6 +169,7 @@ def _run(argv: list[str]) -> dict:
 
 # ~35 s of SFT and PPO: run in one environment only (CI's newest-TRL one), not again under older TRLs
 @pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.skipif(not _newest_trl(), reason="the whole tools run is checked in the newest-TRL environment only")
 def test_the_example_learns_to_call_the_tool(tmp_path, capsys):
     out = tmp_path / "tools"

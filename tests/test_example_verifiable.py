@@ -135,6 +135,7 @@ REWARDS = ("exact_answer", "format_reward", "soft_overlong_punishment_reward")
 
 
 @pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("extra", [[], ["--value_lora"]], ids=["value_head", "value_adapter"])
 def test_example_runs_in_a_subprocess_and_writes_every_field(tmp_path, extra):
     out = tmp_path / "verifiable"

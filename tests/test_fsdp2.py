@@ -20,7 +20,7 @@ import torch
 
 from trl_ppo_ext.reporting import TIMING_KEYS
 
-pytestmark = pytest.mark.slow  # subprocess runs
+pytestmark = [pytest.mark.slow, pytest.mark.launches]  # subprocess runs
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ppo_fsdp2.py"

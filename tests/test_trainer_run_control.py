@@ -211,6 +211,7 @@ def test_sigkill_during_update_4_then_resume_matches_a_straight_run(tmp_path, st
 
 
 @pytest.mark.slow
+@pytest.mark.launches
 def test_episodes_with_several_samples_per_prompt_resume_exactly_after_sigkill(tmp_path):
     # --episodes: a rollout_func whose environment replies and policy turns draw from the run's RNG;
     # --generations: each prompt sampled twice, the GRPO estimator, no critic (both at once: one run of each kind)
@@ -229,6 +230,7 @@ def test_episodes_with_several_samples_per_prompt_resume_exactly_after_sigkill(t
 
 
 @pytest.mark.slow
+@pytest.mark.launches
 def test_sigterm_during_update_4_exits_0_with_a_checkpoint_that_resumes_exactly(tmp_path, straight_run):
     preempted = _run(tmp_path, "preempted")  # a real SIGTERM after update 4's first optimizer step
     assert preempted.returncode == 0, preempted.stderr[-4000:]
