@@ -2,6 +2,8 @@
 read (none built either), and no old-log-prob forward where the update is on-policy -- the update's
 first forward is pi_old, the first ratio exactly 1 and the gradient the one the extra forward gave."""
 
+import dataclasses
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -97,3 +99,27 @@ def test_the_critics_pass_alone_gives_the_values_of_the_whole_forward(make_train
     with torch.no_grad():
         _, values = model(ids, mask, positions, logits_to_keep=3)
         torch.testing.assert_close(value_forward(model, ids, mask, positions, keep=3), values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides", [GRPO, {"kl_coef": 0.0, **VALUE_ADAPTER}], ids=["grpo", "value_adapter"])
+def test_an_on_policy_run_with_accumulation_across_epoch_ends_ends_where_the_scored_run_ends(
+        make_trainer, make_prompts, tok, overrides):
+    """Micro-batches accumulated into the one mini-batch (gradient_accumulation_steps=2) and a dataset
+    of 4 prompts read over 3 updates of 2 prompts (epoch ends inside the run): the run without the
+    old-log-prob forward ends at the weights of the run that computes it, to the rounding of two
+    forwards (the ratio is 1 either way; only its last bits differ)."""
+    finals, logs = [], []
+    for old_logprobs in (False, True):
+        trainer = make_trainer(tok, ref_model=None, train_dataset=make_prompts(tok, n=4), total_episodes=12,
+                               per_device_train_batch_size=2, gradient_accumulation_steps=2, **overrides)
+        assert trainer.scoring.old_logprobs is False  # the plan skips it; the second run forces it back
+        trainer.scoring = dataclasses.replace(trainer.scoring, old_logprobs=old_logprobs)
+        trainer.train()
+        finals.append([p.detach().clone() for p in trainer.unwrapped.parameters() if p.requires_grad])
+        logs.append(_logs(trainer))
+    assert len(logs[0]) == len(logs[1]) == 3
+    assert all(h["val/ratio"] == 1.0 for h in logs[0])  # the update's own forward is pi_old: exactly 1
+    assert all(abs(h["val/ratio"] - 1.0) < 1e-5 for h in logs[1])
+    for fresh, scored in zip(*finals):
+        torch.testing.assert_close(fresh, scored, rtol=0, atol=1e-5)
+    assert [h["objective/scores"] for h in logs[0]] == [h["objective/scores"] for h in logs[1]]  # same episodes
