@@ -13,6 +13,7 @@ that turns checkpointing on: the trainer's set-up, TRL's generation context (whi
 it after each rollout -- the crash of the issue), and a second enable without kwargs.
 """
 
+import dataclasses
 import logging
 
 import pytest
@@ -226,3 +227,23 @@ def test_a_resumed_run_with_a_custom_critic_trains_on_and_warns_once(tmp_path, m
 # The ZeRO-3 path (a custom critic on 2 processes, one warning for the run) is
 # tests/test_deepspeed.py::test_deepspeed_zero3_with_a_custom_critic_trains_and_warns_once: the row
 # runs inside that file's ZeRO-3 launch, which saves a launch of its own.
+
+
+# ---------------------------------------------------------------- sampling filters on every family
+@pytest.mark.parametrize("setup_name", ["gpt2", "opt", "qwen2", "llama+custom-critic"])
+def test_the_scoring_forward_filters_as_the_sampler_did_on_every_family(setup_name, tmp_path, make_trainer):
+    """``top_k=1`` after a repetition penalty: generate samples the argmax of the penalized logits,
+    so a scoring forward that penalizes and filters the same tokens gives every sampled token log-prob
+    exactly 0 (one token kept). A family whose logits, prompt or padding the filters read differently
+    from ``generate`` shows up here as a negative log-prob."""
+    from conformance_setups import build_row_models
+
+    tok, (policy, ref, value, reward) = build_row_models(setup_name, tmp_path / "models")
+    trainer = make_trainer(tok, model=policy, ref_model=ref, value_model=value, reward_model=reward,
+                           top_k=1, repetition_penalty=1.5, temperature=0.7)
+    trainer.scoring = dataclasses.replace(trainer.scoring, old_logprobs=True)  # the scoring forward runs
+    sample = trainer.generate_rollout(trainer.repeated_prompts(next(iter(trainer.dataloader))))
+    rollout = trainer.score_rollout(sample)
+    kept = rollout.response_mask
+    assert kept.sum() > 0
+    torch.testing.assert_close(rollout.logprobs[kept], torch.zeros(int(kept.sum())), rtol=0, atol=1e-5)
