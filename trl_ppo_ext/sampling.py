@@ -31,7 +31,7 @@ Example:
 >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])                  # right padded by a collator
 >>> queries, query_mask = prompt_tensors({"input_ids": ids, "attention_mask": ids != 0}, 0, "cpu")
 >>> queries.tolist(), query_mask.tolist()                        # left padded, as every engine takes them
-([[5, 6], [0, 7]], [[True, True], [False, True]])
+([[0, 5, 6], [0, 0, 7]], [[False, True, True], [False, False, True]])
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from .generation.transformers_generate import TransformersEngine
 from .models.prepare import embedding_rows
 from .rollout import SampledBatch, finalize_responses, left_pad, reference_response_logprobs, sequence_inputs
 
-__all__ = ["PolicySnapshot", "RolloutSampler", "TurnSettings", "prompt_tensors", "vllm_policy_engine"]
+__all__ = ["PolicySnapshot", "RolloutSampler", "TurnSettings", "build_agent_rollout", "prompt_tensors",
+           "vllm_policy_engine"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,27 @@ def vllm_policy_engine(args, unwrapped: nn.Module, *, is_peft: bool, adapter_nam
     if is_peft:
         adapter = getattr(unwrapped, "policy_adapter", None) or adapter_name or policy.active_adapter
     return build_vllm_engine(args, policy, adapter=adapter, seed=args.seed, engine_kwargs=engine_kwargs)
+
+
+def build_agent_rollout(args, tokenizer, tools, environment_factory, model, train_dataset):
+    """The tool loop of a run with ``tools`` or an ``environment_factory`` (``agents.AgentRollout``: TRL's
+    checks of the chat template and the environments run here), or None without either. Its context is
+    vLLM's ``vllm_max_model_length`` with ``use_vllm``, else the model's ``max_position_embeddings``; an
+    environment's ``reset`` is probed with the dataset's first row."""
+    if not tools and environment_factory is None:
+        return None
+    from .agents import AgentRollout
+
+    max_model_len = args.vllm_max_model_length if args.use_vllm else None
+    if max_model_len is None:
+        max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    sample_row = None
+    if environment_factory is not None and train_dataset is not None and len(train_dataset):
+        sample_row = {k: v for k, v in train_dataset[0].items() if k not in PromptCollator.TOKEN_KEYS}
+    return AgentRollout(
+        tokenizer, tools=tools, environment_factory=environment_factory, response_length=args.response_length,
+        max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=args.chat_template_kwargs,
+        tool_timeout=args.tool_timeout, max_model_len=max_model_len, sample_row=sample_row)
 
 
 class RolloutSampler:

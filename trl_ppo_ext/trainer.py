@@ -80,6 +80,7 @@ from .metrics import (
     reward_statistics,
     sampling_metrics,
     show_completions,
+    tool_loop_metrics,
     update_metrics,
     user_metric_rows,
 )
@@ -93,15 +94,13 @@ from .models.prepare import (
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
 from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
+from .rewards.building import build_run_rewards
 from .rewards.logs import RewardLogs
-from .rewards.process import ProcessRewardModel, with_process_reward_models
+from .rewards.process import ProcessRewardModel
 from .rewards.scoring import (
-    build_rewards,
-    check_reward_heads,
     nonfinite_rewards,
     reward_function_kwargs,
     rewards_per_token,
-    with_reward_tokenizers,
 )
 from .rewards.text import reward_model_texts, score_texts
 from .rollout import (
@@ -125,7 +124,7 @@ from .run.manifest import ManifestMixin
 from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
 from .run.state import RunCounters
 from .sampler import EpochSeededSampler
-from .sampling import PolicySnapshot, RolloutSampler, vllm_policy_engine
+from .sampling import PolicySnapshot, RolloutSampler, build_agent_rollout, vllm_policy_engine
 from .scoring_plan import plan_scoring
 
 logger = logging.getLogger(__name__)
@@ -211,17 +210,17 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             raise TypeError(f"rollout_func must be callable as rollout_func(prompts, trainer), got "
                             f"{type(rollout_func).__name__}")
         self.rollout_func = rollout_func
-        self.agent_rollout = self._build_agent_rollout(tools, environment_factory, model, train_dataset)
-        self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights,
-                                     self.agent_rollout.reward_functions() if self.agent_rollout else ())
+        if self.rollout_func is not None and (tools or environment_factory is not None):
+            raise ValueError("Pass either rollout_func or tools / environment_factory: with tools the trainer "
+                             "runs the episodes itself (as TRL GRPO does), and a rollout_func would replace them.")
+        self.agent_rollout = build_agent_rollout(args, processing_class, tools, environment_factory, model,
+                                                 train_dataset)
         check_prompt_dataset(train_dataset, processing_class)
         assembly.check_separate_reference(model, ref_model)
-        # a token classifier (TRL's PRMTrainer) is a process reward: its step scores on the separators
-        self.rewards, reward_processing_classes = with_process_reward_models(
-            self.rewards, processing_class, reward_processing_classes, args.step_separator)
-        check_reward_heads(self.rewards, reward_model)
-        # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
-        self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
+        self.rewards = build_run_rewards(
+            reward_model, reward_funcs, policy_tokenizer=processing_class, reward_weights=args.reward_weights,
+            environment_rewards=self.agent_rollout.reward_functions() if self.agent_rollout else (),
+            reward_processing_classes=reward_processing_classes, step_separator=args.step_separator)
         # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
         self.reward_logs = RewardLogs()
         self.stop_token_id = configured_stop_token_id(args, processing_class)
@@ -282,29 +281,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
         self.sampler = self._build_sampler()
-
-    def _build_agent_rollout(self, tools, environment_factory, model, train_dataset):
-        """The tool loop of a run with ``tools`` or an ``environment_factory`` (``agents.AgentRollout``:
-        TRL's checks of the chat template and the environments run here), or None."""
-        if not tools and environment_factory is None:
-            return None
-        if self.rollout_func is not None:
-            raise ValueError("Pass either rollout_func or tools / environment_factory: with tools the trainer "
-                             "runs the episodes itself (as TRL GRPO does), and a rollout_func would replace them.")
-        from .agents import AgentRollout
-
-        args = self.args
-        max_model_len = args.vllm_max_model_length if args.use_vllm else None
-        if max_model_len is None:
-            max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        sample_row = None
-        if environment_factory is not None and train_dataset is not None and len(train_dataset):
-            sample_row = {k: v for k, v in train_dataset[0].items() if k not in PromptCollator.TOKEN_KEYS}
-        return AgentRollout(
-            self.processing_class, tools=tools, environment_factory=environment_factory,
-            response_length=args.response_length, max_tool_calling_iterations=args.max_tool_calling_iterations,
-            chat_template_kwargs=args.chat_template_kwargs, tool_timeout=args.tool_timeout,
-            max_model_len=max_model_len, sample_row=sample_row)
 
     def _build_sampler(self) -> RolloutSampler:
         """The rollout sampler (``sampling.RolloutSampler``), after the process group and the dataloaders
@@ -1112,19 +1088,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return metrics
 
     def _tool_metrics(self) -> dict[str, float]:
-        """TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and ``tools/loop_exhausted_frac``,
-        ``tools/timed_out_frac`` and ``rollout/turns_max``, of this update's tool loops summed over every
-        process (one gather)."""
-        stats = self.sampler.tool_stats
-        local = torch.tensor([[stats.rollouts, stats.calls, stats.failures, stats.turns, stats.exhausted,
-                               stats.timed_out, stats.turns_max]], dtype=torch.float64, device=self.accelerator.device)
-        rows = self.accelerator.gather(local).reshape(-1, 7)
-        sums = rows.sum(0).tolist()
-        total = ToolLoopStats(rollouts=int(sums[0]), calls=int(sums[1]), failures=int(sums[2]), turns=int(sums[3]),
-                              exhausted=int(sums[4]), timed_out=int(sums[5]), turns_max=int(rows[:, 6].max()))
-        metrics = total.metrics()
-        metrics.pop("rollout/turns_mean")  # the action mask's figure is logged already (metrics.update_statistics)
-        return metrics
+        """The tool loops' figures of this update, summed over every process (``metrics.tool_loop_metrics``)."""
+        return tool_loop_metrics(self.sampler.tool_stats, gather=self.accelerator.gather,
+                                 device=self.accelerator.device)
 
     def _take_reward_logs(self, logs: RewardLogs | None = None) -> dict[str, float]:
         """What reward functions passed to ``log_metric`` since the last call (into ``logs``,
