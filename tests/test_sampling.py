@@ -29,6 +29,10 @@ class _Tok:
     pad_token_id = 0
 
 
+class _Handed(Exception):
+    pass
+
+
 class _Tools:
     """A tool loop that records the generate callable it was handed."""
 
@@ -38,7 +42,15 @@ class _Tools:
 
     def __call__(self, rows, generate):
         self.generate = generate
-        raise StopIteration  # enough: the callable was handed over
+        raise _Handed  # enough: the callable was handed over
+
+
+def _model():
+    """The trainer's model as the sampler unwraps it: a ``.policy`` inside a module."""
+    model = torch.nn.Module()
+    model.policy = torch.nn.Linear(1, 1)
+    model.is_gradient_checkpointing = False
+    return model
 
 
 def _sampler(**kw):
@@ -48,10 +60,9 @@ def _sampler(**kw):
 def test_the_tool_loop_gets_the_episodes_settings_bound_as_arguments():
     tools = _Tools()
     sampler = _sampler(agent_rollout=tools)
-    model = torch.nn.Module()
-    model.policy = torch.nn.Linear(1, 1)
+    model = _model()
     batch = {"input_ids": torch.tensor([[5]]), "prompt": [[{"role": "user", "content": "hi"}]]}
-    with pytest.raises(StopIteration):
+    with pytest.raises(_Handed):
         sampler.sample(batch, PolicySnapshot(model, version=3, weights_version=2), temperature=0.0)
     generate = tools.generate
     assert isinstance(generate, functools.partial) and generate.func == sampler._continue_checked
@@ -64,9 +75,8 @@ def test_a_subclass_turn_hook_replaces_the_samplers_own():
     tools = _Tools()
     hook = lambda prefixes, max_new_tokens: ([], [])  # noqa: E731
     sampler = _sampler(agent_rollout=tools, turns=hook)
-    model = torch.nn.Module()
-    model.policy = torch.nn.Linear(1, 1)
-    with pytest.raises(StopIteration):
+    model = _model()
+    with pytest.raises(_Handed):
         sampler.sample({"input_ids": torch.tensor([[5]]), "prompt": [[]]}, PolicySnapshot(model, 0, 0))
     assert tools.generate is hook
 
