@@ -205,7 +205,7 @@ def test_a_lora_adapter_on_the_embedding_trains(make_trainer, tok):
 def test_the_trainer_warns_once_about_ignored_checkpoint_fields(make_trainer, make_models, tok, caplog):
     policy, ref, value, reward = make_models(tok)
     policy.generation_config.repetition_penalty = 1.05
-    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext"):  # rollout.generation_stop_ids says it
+    with caplog.at_level(logging.WARNING, logger="trl_ppo_ext"):  # generation_stop_ids says it
         make_trainer(tok, model=policy, ref_model=ref, reward_model=reward, value_model=value)
     messages = [r.getMessage() for r in caplog.records if "generation_config" in r.getMessage()]
     assert len(messages) == 1 and "repetition_penalty=1.05" in messages[0]

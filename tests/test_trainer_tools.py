@@ -155,16 +155,16 @@ def test_preempted_checkpoints_leave_the_environments_out(tmp_path, policy_and_t
 def test_the_tool_loop_without_vllm_runs_no_log_prob_forward_of_its_own(tmp_path, policy_and_tok, monkeypatch):
     # without vLLM the sampler's log-probs are never read (the trainer's own forward gives the old ones), so the
     # turns skip the policy forward that would compute them; a user's own call still gets them
-    import trl_ppo_ext.trainer as trainer_module
+    import trl_ppo_ext.sampling as sampling_module
 
     policy, tok = policy_and_tok
     trainer = PPOTrainer(model=policy, processing_class=tok, args=_config(tmp_path, total_episodes=2),
                          reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                          train_dataset=_data(2), tools=[multiply])
     calls = []
-    original = trainer_module.reference_response_logprobs
+    original = sampling_module.reference_response_logprobs
     counted = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731
-    monkeypatch.setattr(trainer_module, "reference_response_logprobs", counted)
+    monkeypatch.setattr(sampling_module, "reference_response_logprobs", counted)
     sample = trainer.generate_rollout(next(iter(trainer.dataloader)))
     assert calls == [] and sample.engine_logprobs is None
     ids, lps = trainer.generate_continuations([[5, 6]], 2)
@@ -230,7 +230,7 @@ def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_t
     stop.value.inflight.save(str(path))
 
     resumed = stopped  # as a fresh trainer loading the checkpoint: no tool loop has run in it
-    resumed._tool_stats = ToolLoopStats()
+    resumed.sampler.tool_stats = ToolLoopStats()
     resumed._resume_inflight = InflightUpdate.load(str(path), torch.device("cpu"))
     again, _ = resumed._resumed_rollout()
     assert resumed._tool_metrics() == expected

@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-import trl_ppo_ext.trainer as trainer_module
+import trl_ppo_ext.generation.transformers_generate as generate_module
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
@@ -23,8 +23,8 @@ def test_a_greedy_tool_rollout_generates_greedily(tmp_path, monkeypatch):
         seen.append(args[3] if len(args) > 3 else kwargs["temperature"])  # sampling_config(width, stops, pad, t)
         return sampling_config(*args, **kwargs)
 
-    sampling_config = trainer_module.sampling_config
-    monkeypatch.setattr(trainer_module, "sampling_config", recording)
+    sampling_config = generate_module.sampling_config
+    monkeypatch.setattr(generate_module, "sampling_config", recording)
     trainer.generate_rollout(next(iter(trainer.dataloader)), temperature=0.0)
     assert seen and all(t == 0.0 for t in seen), seen  # it sampled at 0.7 when 0.0 read as "not given"
     # outside a rollout the config's temperature holds again

@@ -262,7 +262,8 @@ def test_unsorted_rows_keep_the_configured_order():
 def test_generation_stops_when_every_row_has_stopped():
     """The stop ids reach transformers' ``generate`` as its EOS ids: a chunk whose rows all
     emit EOS at once decodes one step, not ``response_length``."""
-    from trl_ppo_ext.rollout import finalize_responses, generate_responses, sampling_config
+    from trl_ppo_ext.generation.transformers_generate import generate_responses, sampling_config
+    from trl_ppo_ext.rollout import finalize_responses
     from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()

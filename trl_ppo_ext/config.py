@@ -25,7 +25,7 @@ from typing import Literal
 from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
 from .agents.arguments import ToolArguments
-from .estimators import CRITIC_FREE_ESTIMATORS, ESTIMATORS, GROUP_ESTIMATORS, resolve_scale_rewards
+from .estimator_table import CRITIC_ONLY_FIELDS, ESTIMATORS, estimator, resolve_scale_rewards
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
@@ -463,8 +463,8 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
 
     @property
     def trains_critic(self) -> bool:
-        """Whether the run has a critic: ``advantage_estimator="gae"``."""
-        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
+        """Whether the run has a critic: its ``advantage_estimator`` reads values (``estimator_table``)."""
+        return estimator(self.advantage_estimator).needs_critic
 
     def _check_estimator_fields(self) -> None:
         """``num_generations``, ``advantage_estimator`` and ``scale_rewards`` (made one of
@@ -485,7 +485,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 f"{self.gradient_accumulation_steps} = {local}: the copies of a prompt stay on one process. Make "
                 f"the rollout batch a multiple of {n}, or change num_generations."
             )
-        if self.advantage_estimator in GROUP_ESTIMATORS and n < 2:
+        if estimator(self.advantage_estimator).needs_groups and n < 2:
             raise ValueError(
                 f"PPOConfig.advantage_estimator={self.advantage_estimator!r} compares the samples of a prompt with "
                 f"each other and needs num_generations >= 2, got num_generations={n}. Set num_generations (4 or 8 "
@@ -510,12 +510,6 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 "settings (the group estimators normalise by scale_rewards, REINFORCE++ always whitens), so they "
                 "have no effect. Leave them at their defaults, or use advantage_estimator='gae'.",
                 UserWarning, stacklevel=3)
-
-
-# The fields only the critic's GAE path reads (advantages.compute_targets, the value loss): a critic-free
-# estimator ignores them.
-CRITIC_ONLY_FIELDS = ("lam", "value_lam", "lam_length_alpha", "whiten_rewards", "whiten_advantages", "vf_coef",
-                      "cliprange_value")
 
 
 def _changed_from_default(config, names) -> list[tuple[str, object]]:

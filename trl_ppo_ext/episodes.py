@@ -2,10 +2,10 @@
 
 A user who owns generation (a multi-turn loop, an agent server) returns one dict per rollout
 batch; `rollout_outputs` checks it and `pad_episodes` turns it into the (B, T) tensors a PPO
-rollout needs, with the action mask of SPEC "Episodes with turns". Pure: no trainer, no model.
+rollout needs, with the action mask (True on the tokens the policy sampled; ``functional``'s
+"episodes with turns"). Pure: no trainer, no model.
 
-TRL 1.16's contract, as read from ``trl/trainer/grpo_trainer.py`` (G) in
-``../shared/notes/agentic-ppo.md`` (section A3):
+TRL 1.16's contract, as read from ``trl/trainer/grpo_trainer.py`` (G):
 
 - ``rollout_func(prompts, trainer) -> dict`` (type G:130, doc G:258-265, argument G:321,
   experimental warning G:609-616), called with a deepcopy of the process's prompts, already

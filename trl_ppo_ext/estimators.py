@@ -1,7 +1,7 @@
 """Advantage estimators other than the critic's GAE: GRPO, RLOO and REINFORCE++ (with and
 without a group baseline), and :func:`estimator_targets`, which computes a ``PPOTargets`` for
-any of the five ``advantage_estimator`` values (``"gae"`` goes to
-``advantages.compute_targets``).
+any of the five ``advantage_estimator`` values through the row of ``estimator_table`` (``"gae"``
+goes to ``advantages.compute_targets``).
 
 Notation as in ``functional``: ``B`` sequences, ``T`` response tokens, ``(B, T)`` token
 tensors, ``(B,)`` per-sequence ones. ``action_mask`` ``(B, T)`` bool, True = a token the policy
@@ -35,12 +35,22 @@ tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import functional as F
 from .advantages import PPOTargets, compute_targets, scored_rows, target_settings
+from .estimator_table import (
+    CRITIC_FREE_ESTIMATORS,
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
+    SCALE_REWARDS,
+    estimator,
+    needs_critic,
+    resolve_scale_rewards,
+)
 from .rollout import Rollout
 
 __all__ = [
@@ -48,47 +58,12 @@ __all__ = [
     "needs_critic", "resolve_scale_rewards", "grouped", "grpo_advantages", "rloo_advantages",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "broadcast_sequence_advantages",
     "sequence_returns", "returns_to_go", "group_reward_metrics", "estimator_targets", "estimator_settings",
+    "ShapedRewards", "TARGET_FUNCTIONS", "grpo_targets", "rloo_targets", "reinforce_pp_targets",
+    "reinforce_pp_baseline_targets",
 ]
 
-# PPOConfig.advantage_estimator's values (OpenRLHF's --advantage_estimator / verl's adv_estimator idea).
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-# The estimators that read no value: the run needs no critic.
-CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-# The estimators whose baseline is the group of a prompt's samples: num_generations >= 2.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-# TRL GRPOConfig.scale_rewards' values (True means "group" and False "none" there, and here).
-SCALE_REWARDS = ("group", "batch", "none")
 # TRL GRPO adds this to the std it divides by (grpo_trainer: `advantages / (std_rewards + 1e-4)`).
 GROUP_STD_EPS = 1e-4
-
-
-def needs_critic(advantage_estimator: str) -> bool:
-    """Whether ``advantage_estimator`` reads the critic's values (only ``"gae"`` does).
-
-    >>> needs_critic("gae"), needs_critic("grpo")
-    (True, False)
-    """
-    if advantage_estimator not in ESTIMATORS:
-        raise ValueError(f"advantage_estimator must be one of {list(ESTIMATORS)}, got {advantage_estimator!r}.")
-    return advantage_estimator == "gae"
-
-
-def resolve_scale_rewards(scale_rewards) -> str:
-    """TRL GRPO's ``scale_rewards`` as one of ``SCALE_REWARDS``: ``True`` -> ``"group"``, ``False``
-    -> ``"none"`` (TRL's legacy booleans; their text ``"True"``/``"False"`` from a command line
-    too), a string of ``SCALE_REWARDS`` as it is.
-
-    >>> resolve_scale_rewards(True), resolve_scale_rewards("False"), resolve_scale_rewards("batch")
-    ('group', 'none', 'batch')
-    """
-    value = {True: "group", False: "none", "True": "group", "False": "none"}.get(scale_rewards, scale_rewards) \
-        if isinstance(scale_rewards, (bool, str)) else scale_rewards
-    if value not in SCALE_REWARDS:
-        raise ValueError(
-            f"scale_rewards must be one of {list(SCALE_REWARDS)} (or True = 'group', False = 'none', as in TRL "
-            f"GRPO), got {scale_rewards!r}."
-        )
-    return value
 
 
 def _check_num_generations(num_generations: int, minimum: int, what: str) -> None:
@@ -474,8 +449,9 @@ def estimator_targets(
     gae_settings = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, missing_eos_penalty=missing_eos_penalty,
                         whiten_rewards=whiten_rewards, whiten_advantages=whiten_advantages, gamma=gamma, lam=lam,
                         value_lam=value_lam, lam_length_alpha=lam_length_alpha)
-    if needs_critic(advantage_estimator):
-        return compute_targets(rollout, **gae_settings)
+    row = estimator(advantage_estimator)
+    if row.needs_critic:
+        return TARGET_FUNCTIONS[row.function](rollout, **gae_settings)
     mask = rollout.response_mask
     actions = action_mask if action_mask is not None else getattr(rollout, "action_mask", None)
     actions = mask if actions is None else actions
@@ -493,29 +469,66 @@ def estimator_targets(
         F.check_rewards_on_actions(rollout.token_rewards, mask, actions)
         added = rollout.token_rewards.masked_fill(~actions, 0.0)
         rewards, per_token = rewards + added, non_score + added
-    zeros = torch.zeros_like(rewards)
-    if advantage_estimator == "grpo":  # the KL out of the group statistics, added per token after
-        sequence = grpo_advantages(sequence_returns(rewards - non_score, actions), num_generations, scale_rewards,
-                                   scored)
-        advantages = broadcast_sequence_advantages(sequence, counted) + returns_to_go(non_score, counted, gamma)
-        advantages, returns = advantages.to(rewards.dtype), zeros
-        raw = advantages
-    elif advantage_estimator == "rloo":
-        sequence = rloo_advantages(sequence_returns(rewards, actions), num_generations, scored)
-        advantages, returns = broadcast_sequence_advantages(sequence, counted).to(rewards.dtype), zeros
-        raw = advantages
-    elif advantage_estimator == "reinforce_pp":
-        advantages, returns = reinforce_pp_advantages(rewards, counted, gamma)
-        raw = returns
-    else:
-        advantages, returns = reinforce_pp_baseline_advantages(scores, per_token, actions, num_generations, gamma,
-                                                               scored)
-        raw = returns
+    shaped = ShapedRewards(scores=scores, rewards=rewards, non_score=non_score, per_token=per_token, actions=actions,
+                           counted=counted, scored=scored)
+    advantages, returns, raw = TARGET_FUNCTIONS[row.function](shaped, num_generations, scale_rewards, gamma)
     raw_mean, raw_var = F.masked_global_mean_var(raw, counted)
     return PPOTargets(
         scores=scores, kl=kl, non_score_rewards=non_score, rewards=rewards, advantages=advantages,
         returns=returns, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
     )
+
+
+@dataclass(frozen=True)
+class ShapedRewards:
+    """What every critic-free estimator reads: ``(B,)`` per sequence, ``(B, T)`` per token."""
+
+    scores: torch.Tensor  # (B,) the sequence scores, minus missing_eos_penalty where no stop token came
+    rewards: torch.Tensor  # (B, T) shaped: -kl_coef * kl, the score on the last action, token rewards added
+    non_score: torch.Tensor  # (B, T) the KL part alone, -kl_coef * kl, on the action tokens
+    per_token: torch.Tensor  # (B, T) non_score plus the token rewards (no score)
+    actions: torch.Tensor  # (B, T) bool, the policy's own tokens
+    counted: torch.Tensor  # (B, T) bool, actions of the rows a reward applies to (the others train nothing)
+    scored: Optional[torch.Tensor]  # (B,) bool, the rows a reward applies to; None: every row
+
+
+def grpo_targets(s: ShapedRewards, num_generations: int, scale_rewards, gamma: float):
+    """``(advantages, returns, raw)`` ``(B, T)`` of ``"grpo"``: the group-normalised sequence sum of the
+    rewards without the KL part, broadcast over the action tokens, plus the KL part's return-to-go
+    (kept out of the group statistics, as TRL GRPO does); returns zeros; raw the advantages."""
+    sequence = grpo_advantages(sequence_returns(s.rewards - s.non_score, s.actions), num_generations, scale_rewards,
+                               s.scored)
+    advantages = broadcast_sequence_advantages(sequence, s.counted) + returns_to_go(s.non_score, s.counted, gamma)
+    advantages = advantages.to(s.rewards.dtype)
+    return advantages, torch.zeros_like(s.rewards), advantages
+
+
+def rloo_targets(s: ShapedRewards, num_generations: int, scale_rewards, gamma: float):
+    """``(advantages, returns, raw)`` ``(B, T)`` of ``"rloo"``: the leave-one-out advantage of the whole
+    sequence sums (the KL included), broadcast; returns zeros; raw the advantages."""
+    sequence = rloo_advantages(sequence_returns(s.rewards, s.actions), num_generations, s.scored)
+    advantages = broadcast_sequence_advantages(sequence, s.counted).to(s.rewards.dtype)
+    return advantages, torch.zeros_like(s.rewards), advantages
+
+
+def reinforce_pp_targets(s: ShapedRewards, num_generations: int, scale_rewards, gamma: float):
+    """``(advantages, returns, raw)`` ``(B, T)`` of ``"reinforce_pp"``: whitened discounted returns;
+    raw the returns before whitening."""
+    advantages, returns = reinforce_pp_advantages(s.rewards, s.counted, gamma)
+    return advantages, returns, returns
+
+
+def reinforce_pp_baseline_targets(s: ShapedRewards, num_generations: int, scale_rewards, gamma: float):
+    """``(advantages, returns, raw)`` ``(B, T)`` of ``"reinforce_pp_baseline"``: the group mean off the
+    scores, then REINFORCE++'s returns; raw the returns before whitening."""
+    advantages, returns = reinforce_pp_baseline_advantages(s.scores, s.per_token, s.actions, num_generations, gamma,
+                                                           s.scored)
+    return advantages, returns, returns
+
+
+# The functions estimator_table's "function" column names.
+TARGET_FUNCTIONS = {f.__name__: f for f in (compute_targets, grpo_targets, rloo_targets, reinforce_pp_targets,
+                                            reinforce_pp_baseline_targets)}
 
 
 def estimator_settings(args) -> dict:

@@ -1076,7 +1076,7 @@ def masked_explained_variance(
 # --------------------------------------------------------------------------- episodes with turns
 # A completion may hold tokens the policy did not sample (a tool result, an environment reply,
 # template glue). ``action_mask`` (B, T) bool, inside ``response_mask``, is True where the policy
-# sampled the token (SPEC "Episodes with turns").
+# sampled the token.
 
 
 def _check_action_mask(response_mask: torch.Tensor, action_mask: torch.Tensor) -> None:
@@ -1238,7 +1238,7 @@ def action_masked_gae(
         ``(advantages, returns)``, both (B, T) in the inputs' promoted dtype (at least
         float32), exactly 0 off the action tokens.
 
-    Example (the SPEC's worked example: a1 a2 | o1 o2 o3 | b1 b2):
+    Example (two turns and an environment reply between them: a1 a2 | o1 o2 o3 | b1 b2):
         >>> act = torch.tensor([[True, True, False, False, False, True, True]])
         >>> V = torch.tensor([[0.5, 0.6, 9.0, 9.0, 9.0, 0.7, 0.8]])
         >>> r = torch.tensor([[0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 1.0]])

@@ -41,6 +41,7 @@ import logging
 import os
 
 from .data import PROMPT_COLUMNS, RenderInfo, _template_ids, render_prompts
+from .estimator_table import needs_critic
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ def trainer_inputs(args, model, processing_class, reward_model, reward_funcs, tr
         prompt_dataset(dataset, processing_class, response_length=args.response_length,
                        max_length=max_positions(model), name=name, environment=environment_factory is not None)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)))
-    with_value = getattr(args, "advantage_estimator", "gae") == "gae"
+    with_value = needs_critic(getattr(args, "advantage_estimator", "gae"))
     if not getattr(args, "use_value_adapter", False):  # else the critic is an adapter on the policy's base
         value_model = value_model_or_default(model, value_model, peft_config, with_value=with_value)
     return model, processing_class, reward_model, reward_funcs, train_dataset, eval_dataset, value_model

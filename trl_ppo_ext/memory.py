@@ -80,12 +80,14 @@ from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+from .estimator_table import ESTIMATORS, needs_critic
+
 if TYPE_CHECKING:  # the CLI's --help and the arithmetic import no torch (batching does)
     from .batching import BatchPlan
 
-# advantage_estimator's values (estimators.ESTIMATORS, which imports the trainer's stack: seconds
-# before --help could answer); tests/test_memory.py checks they are the same names.
-ESTIMATOR_CHOICES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# advantage_estimator's values: the estimator table's names (a module that imports nothing, so --help answers
+# at once)
+ESTIMATOR_CHOICES = ESTIMATORS
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -929,7 +931,7 @@ def run_from_args(args) -> PPORun:
             compute_dtype=args.compute, shared=not args.four_models, lora_r=args.lora_r,
             lora_target_modules=targets, offload_reward_model=args.offload_reward_model,
             offload_ref_model=args.offload_ref_model, gradient_checkpointing=args.gradient_checkpointing,
-            reward_model=reward, critic=args.advantage_estimator == "gae",
+            reward_model=reward, critic=needs_critic(args.advantage_estimator),
         )
     except ValueError as err:
         args.parser.error(str(err))

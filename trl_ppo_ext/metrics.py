@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from . import functional as F
+from .agents.tool_loop import ToolLoopStats
 from .episodes import turn_statistics
 from .rollout import Rollout, SampledBatch, valid_token_ids
 
@@ -113,6 +114,22 @@ def update_metrics(
     metrics = {k: float(v) for k, v in zip(names, means.tolist())}
     metrics.update(sequence_metrics(rows[:, 0], rows[:, 1].bool(), rows[:, 2], rows[:, 3]))
     metrics["val/ratio_max"] = float(ratio_max)
+    return metrics
+
+
+def tool_loop_metrics(stats: ToolLoopStats, *, gather: Gather, device: torch.device | str) -> dict[str, float]:
+    """TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and ``tools/loop_exhausted_frac``,
+    ``tools/timed_out_frac`` and ``rollout/turns_max``, of this process's tool-loop counts ``stats`` summed
+    over every process (one gather; ``turns_max`` the largest). ``rollout/turns_mean`` is left out: the
+    action mask's figure is logged already (:func:`update_statistics`)."""
+    local = torch.tensor([[stats.rollouts, stats.calls, stats.failures, stats.turns, stats.exhausted,
+                           stats.timed_out, stats.turns_max]], dtype=torch.float64, device=device)
+    rows = gather(local).reshape(-1, 7)
+    sums = rows.sum(0).tolist()
+    total = ToolLoopStats(rollouts=int(sums[0]), calls=int(sums[1]), failures=int(sums[2]), turns=int(sums[3]),
+                          exhausted=int(sums[4]), timed_out=int(sums[5]), turns_max=int(rows[:, 6].max()))
+    metrics = total.metrics()
+    metrics.pop("rollout/turns_mean")
     return metrics
 
 

@@ -1,7 +1,9 @@
 """The rollout: what the old policy generated, and everything measured on it without grad.
 
-Two typed stages: generation gives a :class:`SampledBatch` (prompts, responses, masks);
-scoring -- old log-probs and values (:func:`forward_responses`), reference log-probs
+Two typed stages: sampling gives a :class:`SampledBatch` (prompts, responses, masks; the
+sampler is ``sampling.RolloutSampler``, its engines are in ``generation/``, and
+:func:`finalize_responses` turns an engine's ids into responses and masks); scoring -- old
+log-probs and values (:func:`forward_responses`), reference log-probs
 (:func:`reference_response_logprobs`) and reward-model scores (:func:`reward_model_scores`),
 each per chunk of :func:`forward_chunks` -- turns it into a :class:`Rollout`
 (:func:`scored_rollout`). The trainer orchestrates the stages (models, offloading,
@@ -16,26 +18,24 @@ prompt's logits would be ``P / (T + 1)`` times more memory for nothing.
 
 Example:
 
->>> from trl_ppo_ext.rollout import effective_temperature
->>> effective_temperature(0.0), effective_temperature(0.7)  # 0 samples near-greedily, as TRL does
-(1e-07, 0.7)
+>>> import torch
+>>> from trl_ppo_ext.rollout import finalize_responses
+>>> responses, mask, has_stop = finalize_responses(torch.tensor([[5, 2, 7], [5, 6, 7]]), (2,), pad_token_id=0)
+>>> responses.tolist(), mask.tolist(), has_stop.tolist()  # the stop token is kept; nothing after it
+([[5, 2, 0], [5, 6, 7]], [[True, True, False], [True, True, True]], [True, False])
 """
 
 from __future__ import annotations
 
-import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import GenerationConfig
 
 from . import functional as F
 from .batching import sorted_by_length
-from .generation.filters import RepetitionPenaltyProcessor, SamplingFilters, filtered_response_logits
+from .generation.filters import SamplingFilters, filtered_response_logits
 from .models.policy_value import lm_logits, score_at
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -380,146 +380,6 @@ def reward_model_scores(model, part: SampledBatch, inputs: tuple, autocast=nullc
 # Generation settings a checkpoint may carry that are neither the sampling settings below nor
 # bookkeeping: each changes which tokens are sampled (or how many), which the log-prob forward
 # would not know about. They are reset to neutral values for every rollout.
-_BOOKKEEPING_FIELDS = frozenset({
-    "transformers_version", "_from_model_config", "bos_token_id", "eos_token_id", "pad_token_id",
-    "decoder_start_token_id", "max_length", "max_new_tokens", "min_new_tokens", "do_sample", "temperature",
-    "top_k", "top_p", "use_cache", "cache_implementation", "cache_config", "return_dict_in_generate",
-    "output_scores", "output_logits", "output_attentions", "output_hidden_states", "num_return_sequences",
-})
-
-# The smallest temperature used when 0 is asked for (TRL adds the same 1e-7 to every temperature).
-MIN_TEMPERATURE = 1e-7
-
-
-def effective_temperature(temperature: float) -> float:
-    """``temperature``, or ``MIN_TEMPERATURE`` for 0 (near-greedy sampling, as in TRL).
-
-    Raises ``ValueError`` for a negative value."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}. Use 1.0 for plain sampling.")
-    return max(float(temperature), MIN_TEMPERATURE)
-
-
-def stop_token_ids(stop_token: str | None, stop_token_id: int | None, tokenizer, generation_config=None) -> tuple:
-    """The ids that end a response, as generation and the response mask both use them.
-
-    ``stop_token="eos"``: the tokenizer's EOS. ``stop_token_id``: that id alone. Neither
-    (TRL's default): generation stops where ``transformers`` would have stopped it, at the
-    checkpoint's ``generation_config.eos_token_id`` (an int or a list) and the tokenizer's
-    EOS; the response mask then ends at that token too, so no token after it is trained on.
-    An empty tuple means responses always run to ``response_length``.
-    """
-    if stop_token == "eos":
-        return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-    if stop_token_id is not None:
-        return (int(stop_token_id),)
-    ids = []
-    checkpoint_eos = getattr(generation_config, "eos_token_id", None)
-    for i in (checkpoint_eos if isinstance(checkpoint_eos, (list, tuple)) else [checkpoint_eos]):
-        if i is not None and int(i) not in ids:
-            ids.append(int(i))
-    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(ids)
-
-
-def generation_pad_id(pad_token_id: int, stop_ids: tuple, num_embeddings: int) -> int:
-    """A pad id ``generate`` may write into finished rows and then embed on the next step.
-
-    The tokenizer's pad id if the embedding has a row for it; else the first stop id (an
-    EOS is always in range); else 0. A ``[PAD]`` added to the tokenizer without resizing
-    the embeddings (GPT-2, Llama-2 and TRL's own scripts do this) is out of range, and
-    ``generate`` would index past the embedding matrix. Only masked positions get this id.
-    """
-    if 0 <= pad_token_id < num_embeddings:
-        return int(pad_token_id)
-    for i in stop_ids:
-        if 0 <= i < num_embeddings:
-            return int(i)
-    return 0
-
-
-def sampling_config(response_length: int, stop_ids: tuple, pad_id: int, temperature: float,
-                    filters: SamplingFilters | None = None, cache_implementation: str | None = None,
-                    ) -> GenerationConfig:
-    """The complete generation settings of a rollout: sampling at ``temperature`` of up to
-    ``response_length`` tokens, stopping at ``stop_ids``, through the run's ``filters`` (top-k,
-    top-p, min-p; the repetition penalty is :func:`generate_responses`'s processor). Every other
-    setting that shapes the sampling distribution is neutral, so the samples come from the
-    distribution that ``log pi_old`` is computed under (see :func:`isolated_generation_config`).
-    ``cache_implementation``: transformers' KV-cache kind (TRL GRPO's field; no effect on the samples)."""
-    filters = filters or SamplingFilters()
-    return GenerationConfig(
-        max_new_tokens=response_length,
-        min_new_tokens=0,
-        do_sample=True,
-        temperature=effective_temperature(temperature),
-        **filters.generation_fields(),  # top_k, top_p, min_p; repetition_penalty=1.0
-        typical_p=1.0,
-        epsilon_cutoff=0.0,
-        eta_cutoff=0.0,
-        no_repeat_ngram_size=0,
-        num_beams=1,
-        eos_token_id=list(stop_ids) or None,
-        pad_token_id=pad_id,
-        use_cache=True,
-        cache_implementation=cache_implementation,
-    )
-
-
-def ignored_generation_fields(generation_config) -> dict:
-    """The fields of a checkpoint's ``generation_config`` that a rollout ignores (they would
-    change the sampling distribution), with their values; ``{}`` for None."""
-    if generation_config is None:
-        return {}
-    return {k: v for k, v in generation_config.to_diff_dict().items() if k not in _BOOKKEEPING_FIELDS}
-
-
-@contextmanager
-def isolated_generation_config(model: torch.nn.Module):
-    """Inside the block, every ``generation_config`` attribute of ``model`` and its submodules
-    is a fresh ``GenerationConfig()``, so ``generate`` merges nothing from the checkpoint
-    (``transformers`` fills every unset field from the model's own config; peft copies its
-    own onto the base model). Restored on exit."""
-    saved = [(m, vars(m)["generation_config"]) for m in model.modules() if "generation_config" in vars(m)]
-    try:
-        for m, _ in saved:
-            m.generation_config = GenerationConfig()
-        yield
-    finally:
-        for m, config in saved:
-            m.generation_config = config
-
-
-@torch.no_grad()
-def generate_responses(
-    policy, queries: torch.Tensor, query_mask: torch.Tensor, generation_config: GenerationConfig,
-    response_length: int, pad_token_id: int, chunk_size: int, filters: SamplingFilters | None = None,
-) -> torch.Tensor:
-    """Sample responses in chunks of ``chunk_size`` prompts; ``(B, T)`` padded with the pad id.
-
-    Generation may stop before ``T`` tokens when every row of a chunk has finished; the
-    missing columns are filled with ``pad_token_id`` (they are masked out later anyway).
-    ``filters``: its ``repetition_penalty`` (the other filters are ``generation_config``'s, see
-    :func:`sampling_config`), over each row's real prompt tokens and its new tokens.
-    """
-    penalty = 1.0 if filters is None else filters.repetition_penalty
-    context_length = queries.shape[1]
-    out = torch.full((queries.shape[0], response_length), pad_token_id, dtype=queries.dtype, device=queries.device)
-    for start in range(0, queries.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        mask = query_mask[rows]
-        with isolated_generation_config(policy):
-            processors = [RepetitionPenaltyProcessor(penalty, mask)] if penalty != 1.0 else None
-            seq = policy.generate(
-                input_ids=queries[rows].masked_fill(~mask, 0), attention_mask=mask.long(),
-                generation_config=generation_config, logits_processor=processors,
-            )
-        new = seq[:, context_length : context_length + response_length]
-        out[rows, : new.shape[1]] = new
-    return out
-
-
 def finalize_responses(responses: torch.Tensor, stop_ids: tuple, pad_token_id: int,
                        sampled: torch.Tensor | None = None):
     """``(responses, response_mask, has_stop)``: everything after the first stop token set to pad.
@@ -545,32 +405,3 @@ def finalize_responses(responses: torch.Tensor, stop_ids: tuple, pad_token_id: i
     else:
         has_stop = torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
     return responses.masked_fill(~mask, pad_token_id), mask, has_stop
-
-
-def configured_stop_token_id(args, tokenizer) -> int | None:
-    """The one stop id the config names (``stop_token="eos"``: the tokenizer's EOS; else
-    ``stop_token_id``, None when unset): what ``missing_eos_penalty`` tests."""
-    if args.stop_token == "eos":
-        return tokenizer.eos_token_id
-    return args.stop_token_id
-
-
-def generation_stop_ids(args, tokenizer, policy) -> tuple:
-    """The stop ids of every rollout (:func:`stop_token_ids`); says once which of the checkpoint's
-    generation settings are ignored, and that temperature 0 samples near-greedily. A negative
-    temperature is refused here, before training."""
-    checkpoint = getattr(policy, "generation_config", None)
-    ignored = ignored_generation_fields(checkpoint)
-    if ignored:
-        logger.warning(
-            "The policy's generation_config sets %s; PPO ignores these: the samples must come from the "
-            "distribution the log-probs are computed under (PPOConfig.temperature, top_k, top_p, min_p and "
-            "repetition_penalty; set those to sample with them). Remove them from generation_config.json to "
-            "silence this.",
-            ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())),
-        )
-    if args.temperature == 0:
-        logger.warning("PPOConfig.temperature=0: sampling at temperature %g (near-greedy), as TRL does.",
-                       effective_temperature(0.0))
-    effective_temperature(args.temperature)
-    return stop_token_ids(args.stop_token, args.stop_token_id, tokenizer, checkpoint)

@@ -24,7 +24,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
@@ -50,7 +49,7 @@ from transformers.trainer_utils import TrainOutput, enable_full_determinism, set
 
 from . import critic_warmup, inputs
 from . import functional as F
-from ._compat import PPOTrainerBase, prepare_deepspeed, unwrap_model_for_generation
+from ._compat import PPOTrainerBase, prepare_deepspeed
 from .advantages import PPOTargets
 from .agents.tool_loop import ToolLoopStats
 from .batching import BatchPlan, micro_batch_rows, split_to_count
@@ -63,12 +62,11 @@ from .distributed import (
     prepare_frozen_model,
     process_state,
 )
-from .episodes import continuation_rows, episode_has_stop, pad_episodes, padded_prompts, rollout_outputs
 from .estimators import estimator_settings, estimator_targets, group_reward_metrics
-from .generation import SamplingSettings, build_vllm_engine, sample_responses
-from .generation.base import VLLM_MIN_TEMPERATURE, check_engine_context
+from .generation.base import check_engine_context, effective_temperature
 from .generation.filters import SamplingFilters
 from .generation.mismatch import sampling_weights
+from .generation.transformers_generate import configured_stop_token_id, generation_stop_ids
 from .gradients import clip_gradients, skip_scaler_step
 from .grpo_names import grpo_defaults_warning, grpo_metrics
 from .kl_control import build_kl_controller
@@ -82,6 +80,7 @@ from .metrics import (
     reward_statistics,
     sampling_metrics,
     show_completions,
+    tool_loop_metrics,
     update_metrics,
     user_metric_rows,
 )
@@ -89,41 +88,30 @@ from .models import assembly
 from .models.offload import on_device
 from .models.prepare import (
     disable_dropout,
-    embedding_rows,
     strip_fp32_output_wrapper,
     warn_low_precision_trainables,
 )
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
 from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
+from .rewards.building import build_run_rewards
 from .rewards.logs import RewardLogs
-from .rewards.process import ProcessRewardModel, with_process_reward_models
+from .rewards.process import ProcessRewardModel
 from .rewards.scoring import (
-    build_rewards,
-    check_reward_heads,
     nonfinite_rewards,
     reward_function_kwargs,
     rewards_per_token,
-    with_reward_tokenizers,
 )
 from .rewards.text import reward_model_texts, score_texts
 from .rollout import (
     Rollout,
     SampledBatch,
-    configured_stop_token_id,
-    effective_temperature,
-    finalize_responses,
     forward_chunks,
     forward_responses,
-    generate_responses,
-    generation_pad_id,
-    generation_stop_ids,
-    left_pad,
     reference_response_logprobs,
     response_values,
     reward_model_scores,
     row_extents,
-    sampling_config,
     scored_rollout,
     sequence_inputs,
     trimmed_together,
@@ -136,6 +124,7 @@ from .run.manifest import ManifestMixin
 from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
 from .run.state import RunCounters
 from .sampler import EpochSeededSampler
+from .sampling import PolicySnapshot, RolloutSampler, build_agent_rollout, vllm_policy_engine
 from .scoring_plan import plan_scoring
 
 logger = logging.getLogger(__name__)
@@ -221,21 +210,17 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             raise TypeError(f"rollout_func must be callable as rollout_func(prompts, trainer), got "
                             f"{type(rollout_func).__name__}")
         self.rollout_func = rollout_func
-        self._generating_policy = None  # the policy a rollout_func's generate_continuations samples with
-        self._episode_temperature = None  # the temperature the rollout in progress was asked for
-        self._episode_logprobs = True  # whether its turns need the sampler's log-probs (see generate_episodes)
-        self.agent_rollout = self._build_agent_rollout(tools, environment_factory, model, train_dataset)
-        self._tool_stats = ToolLoopStats()  # the tool loop's counts of this update's rollouts, on this process
-        self.rewards = build_rewards(reward_model, reward_funcs, args.reward_weights,
-                                     self.agent_rollout.reward_functions() if self.agent_rollout else ())
+        if self.rollout_func is not None and (tools or environment_factory is not None):
+            raise ValueError("Pass either rollout_func or tools / environment_factory: with tools the trainer "
+                             "runs the episodes itself (as TRL GRPO does), and a rollout_func would replace them.")
+        self.agent_rollout = build_agent_rollout(args, processing_class, tools, environment_factory, model,
+                                                 train_dataset)
         check_prompt_dataset(train_dataset, processing_class)
         assembly.check_separate_reference(model, ref_model)
-        # a token classifier (TRL's PRMTrainer) is a process reward: its step scores on the separators
-        self.rewards, reward_processing_classes = with_process_reward_models(
-            self.rewards, processing_class, reward_processing_classes, args.step_separator)
-        check_reward_heads(self.rewards, reward_model)
-        # GRPO's reward_processing_classes: a model of another vocabulary scores rebuilt text (reward_text)
-        self.rewards = with_reward_tokenizers(self.rewards, processing_class, reward_processing_classes)
+        self.rewards = build_run_rewards(
+            reward_model, reward_funcs, policy_tokenizer=processing_class, reward_weights=args.reward_weights,
+            environment_rewards=self.agent_rollout.reward_functions() if self.agent_rollout else (),
+            reward_processing_classes=reward_processing_classes, step_separator=args.step_separator)
         # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
         self.reward_logs = RewardLogs()
         self.stop_token_id = configured_stop_token_id(args, processing_class)
@@ -295,50 +280,41 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._setup_dataloaders()
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
-        self.engine = self._build_engine() if args.use_vllm else None
+        self.sampler = self._build_sampler()
 
-    def _build_agent_rollout(self, tools, environment_factory, model, train_dataset):
-        """The tool loop of a run with ``tools`` or an ``environment_factory`` (``agents.AgentRollout``:
-        TRL's checks of the chat template and the environments run here), or None."""
-        if not tools and environment_factory is None:
-            return None
-        if self.rollout_func is not None:
-            raise ValueError("Pass either rollout_func or tools / environment_factory: with tools the trainer "
-                             "runs the episodes itself (as TRL GRPO does), and a rollout_func would replace them.")
-        from .agents import AgentRollout
+    def _build_sampler(self) -> RolloutSampler:
+        """The rollout sampler (``sampling.RolloutSampler``), after the process group and the dataloaders
+        exist; with ``use_vllm`` its engine is built now (leaving the run's RNG as it was). A
+        ``rollout_func`` is handed this trainer (TRL's contract); the tool loop samples its turns through
+        a subclass's own ``generate_continuations`` where one overrides it."""
+        engine_factory = functools.partial(vllm_policy_engine, self.args, self.unwrapped, is_peft=self.is_peft_model,
+                                           adapter_name=self.model_adapter_name,
+                                           engine_kwargs=self.vllm_engine_kwargs)
+        overridden = type(self).generate_continuations is not PPOTrainer.generate_continuations
+        rollout_func = None if self.rollout_func is None else functools.partial(_call_rollout_func,
+                                                                                self.rollout_func, self)
+        sampler = RolloutSampler(self.args, self.processing_class, self.accelerator, self.stop_token_ids,
+                                 rollout_func=rollout_func, agent_rollout=self.agent_rollout,
+                                 engine_factory=engine_factory,
+                                 turns=self.generate_continuations if overridden else None)
+        if self.args.use_vllm:
+            sampler.engine = engine_factory()
+        return sampler
 
-        args = self.args
-        max_model_len = args.vllm_max_model_length if args.use_vllm else None
-        if max_model_len is None:
-            max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        sample_row = None
-        if environment_factory is not None and train_dataset is not None and len(train_dataset):
-            sample_row = {k: v for k, v in train_dataset[0].items() if k not in PromptCollator.TOKEN_KEYS}
-        return AgentRollout(
-            self.processing_class, tools=tools, environment_factory=environment_factory,
-            response_length=args.response_length, max_tool_calling_iterations=args.max_tool_calling_iterations,
-            chat_template_kwargs=args.chat_template_kwargs, tool_timeout=args.tool_timeout,
-            max_model_len=max_model_len, sample_row=sample_row)
+    @property
+    def engine(self):
+        """The sampler's vLLM engine (None without ``use_vllm``, or after ``train()`` closed it)."""
+        return self.sampler.engine
 
-    def _build_engine(self):
-        """The vLLM engine rollouts sample with (``use_vllm``), built from the policy itself (the
-        causal LM, or the ``PeftModel`` whose policy adapter it samples with; never the value
-        model or value adapter). Built after the process group and dataloaders exist; leaves the
-        run's RNG as it was."""
-        policy = self.unwrapped.policy
-        adapter = None
-        if self.is_peft_model:
-            adapter = getattr(self.unwrapped, "policy_adapter", None) or self.model_adapter_name \
-                or policy.active_adapter
-        return build_vllm_engine(self.args, policy, adapter=adapter, seed=self.args.seed,
-                                 engine_kwargs=self.vllm_engine_kwargs)
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.sampler.engine = engine
 
     def close_engine(self) -> None:
         """Release the vLLM engine (``train()`` does at its end, also on error, while the process
         group still exists); a later rollout builds a new one."""
-        engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.close()
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.close_engine()
 
     def _setup_run_control(self, eval_metrics) -> None:
         """KL controller, guard rails and the counters a checkpoint carries."""
@@ -690,7 +666,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def collect_rollout(self, update: int) -> Rollout | GuardDecision:
         """``produce_rollout``; a rollout older than ``max_rollout_age`` updates is discarded and
         its prompts regenerated with the current policy (the stale-rollout guard may halt)."""
-        self._tool_stats = ToolLoopStats()
+        self.sampler.tool_stats = ToolLoopStats()
         rollout = self.produce_rollout()
         while True:
             age = self.state.global_step - rollout.policy_version
@@ -721,203 +697,39 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 "None where a reward does not apply.", update, cause, rollout.batch_size, self.args.batch_size)
         return cause
 
-    def _prompt_tensors(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(queries, query_mask)`` left padded, from the collator's ids and attention mask."""
-        device = self.accelerator.device
-        ids = batch["input_ids"].to(device)
-        if "attention_mask" in batch:
-            mask = batch["attention_mask"].to(device).bool()
-        else:  # a custom collator without a mask: the only remaining signal is the pad id
-            mask = ids != self.processing_class.pad_token_id
-        if ids.shape[1] == 0 or not mask.any(dim=1).all():
-            raise ValueError(
-                "A batch holds an empty prompt (no attended token). Every prompt needs at least one token: drop "
-                "empty rows from the dataset, and check that the data_collator returns an `attention_mask`."
-            )
-        return left_pad(ids, mask, self.processing_class.pad_token_id)
+    def sampling_policy(self) -> PolicySnapshot:
+        """The policy the next batch samples with: the model, the update it is for, its weights' version."""
+        return PolicySnapshot(self.model, self.state.global_step, self._policy_version)
 
-    @torch.no_grad()
     def generate_rollout(self, batch, temperature: float | None = None) -> SampledBatch:
-        """Sample responses to a batch of prompts with the current policy at ``temperature``
-        (default: ``args.temperature``); ``score_rollout`` scores them.
+        """Sample responses to a batch of prompts with the current policy at ``temperature`` (default:
+        ``args.temperature``): ``sampling.RolloutSampler.sample``; ``score_rollout`` scores them."""
+        return self.sampler.sample(batch, self.sampling_policy(), temperature)
 
-        With ``use_vllm`` the vLLM engine samples (``sample_with_engine``), except at a
-        ``temperature`` below ``VLLM_MIN_TEMPERATURE`` asked for here (greedy evaluation, which
-        training never samples at: the config refuses it), where vLLM's log-probs are wrong and
-        transformers' ``generate`` samples instead."""
-        args, tok = self.args, self.processing_class
-        temperature = args.temperature if temperature is None else temperature
-        if self.rollout_func is not None or self.agent_rollout is not None:
-            return self.generate_episodes(batch, temperature)
-        queries, query_mask = self._prompt_tensors(batch)
-        with unwrap_model_for_generation(
-            self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
-        ) as unwrapped:
-            policy = unwrapped.policy
-            engine_logprobs = sampled = None
-            if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
-                raw, engine_logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature)
-            else:
-                pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
-                config = sampling_config(args.response_length, self.stop_token_ids, pad_id, temperature,
-                                         self.sampling_filters, args.cache_implementation)
-                with self.accelerator.autocast():
-                    raw = generate_responses(
-                        policy, queries, query_mask, config, args.response_length,
-                        tok.pad_token_id, args.local_rollout_forward_batch_size, filters=self.sampling_filters,
-                    )
-        responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
-        if engine_logprobs is not None:
-            engine_logprobs = engine_logprobs.masked_fill(~mask, 0.0)
-        return SampledBatch(
-            queries=queries, query_mask=query_mask, responses=responses, response_mask=mask, has_stop=has_stop,
-            policy_version=self.state.global_step, engine_logprobs=engine_logprobs,
-            extras={k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS},
-        )
-
-    def sample_with_engine(self, policy, queries, query_mask, temperature: float, max_tokens: int | None = None):
-        """``(responses (B, T), engine_logprobs (B, T), sampled (B, T) bool)`` from the vLLM engine
-        (``generation.sample_responses``; ``sampled``: the positions it produced a token at): the policy's
-        weights are pushed first when an update changed them (once per version, none during a
-        critic warm-up, which leaves the policy as it was; under ZeRO-3
-        inside the caller's gather), request seeds come from the run's global RNG (which
-        checkpoints save: a resumed run samples what the unbroken one did). ``max_tokens``: the most
-        new tokens per row (default ``response_length``, the width of the result)."""
-        if self.engine is None:  # closed by an earlier train()
-            self.engine = self._build_engine()
-        self.engine.load_policy(policy, self._policy_version)
-        settings = SamplingSettings(max_tokens=self.args.response_length if max_tokens is None else max_tokens,
-                                    temperature=effective_temperature(temperature),
-                                    stop_token_ids=tuple(self.stop_token_ids),
-                                    **self.sampling_filters.engine_fields())
-        try:
-            return sample_responses(self.engine, queries, query_mask, settings, self.processing_class.pad_token_id)
-        finally:
-            self.engine.sleep()  # sleep mode (CUDA): the engine's memory is free while the model trains
-
-    @torch.no_grad()
     def generate_episodes(self, batch, temperature: float) -> SampledBatch:
-        """A rollout batch from the user's ``rollout_func`` (TRL 1.16 GRPO's contract): called as
-        ``rollout_func(prompts, trainer)`` with a copy of the batch's ``prompt`` column (text or
-        messages) or, without one, its decoded prompts. Its result is checked
-        (``episodes.rollout_outputs``: errors name the key and row) and padded
-        (``episodes.pad_episodes``): its ``prompt_ids`` are the queries, ``completion_ids`` the
-        responses, ``env_mask`` the ``action_mask`` (the tokens the update trains on), and every
-        other key a column the reward functions receive. Inside the call
-        :meth:`generate_continuations` samples with the current policy on the run's engine.
+        """A batch of episodes from the ``rollout_func`` (TRL 1.16 GRPO's contract: ``rollout_func(prompts,
+        trainer)``) or the tool loop: ``sampling.RolloutSampler.sample_episodes``. The sampler's log-probs
+        are kept as the engine's with ``use_vllm``; old log-probs, reference log-probs and values come from
+        the trainer's own forwards over the whole sequence, so the first ratio is exactly 1 on the action tokens."""
+        return self.sampler.sample_episodes(batch, self.sampling_policy(), temperature)
 
-        The sampler's ``logprobs`` are kept as the engine's (importance weights, ``sampling/*``)
-        when ``use_vllm`` is on, as TRL GRPO uses them; old log-probs, reference log-probs and
-        values come from the trainer's own forwards over the whole sequence, so the first ratio
-        is exactly 1 on the action tokens."""
-        args, tok = self.args, self.processing_class
-        extras = {k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS}
-        prompts = extras.get("prompt")
-        if prompts is None:
-            queries, query_mask = self._prompt_tensors(batch)
-            prompts = tok.batch_decode([q[m].tolist() for q, m in zip(queries, query_mask)], skip_special_tokens=True)
-        self._episode_temperature = temperature
-        with unwrap_model_for_generation(
-            self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
-        ) as unwrapped:
-            self._generating_policy = unwrapped.policy
-            try:
-                if self.agent_rollout is not None:  # tools / environments: the trainer's own tool loop
-                    rows = [{k: column[b] for k, column in extras.items()} for b in range(len(prompts))]
-                    # the sampler's log-probs are read only with vLLM (importance weights): without it the
-                    # trainer's own forward gives them, so the tool loop's turns skip a second one
-                    self._episode_logprobs = args.use_vllm
-                    output = self.agent_rollout(copy.deepcopy(rows), self.generate_continuations)
-                    self._tool_stats = self._tool_stats + self.agent_rollout.last_stats
-                else:
-                    output = self.rollout_func(copy.deepcopy(prompts), self)
-            finally:
-                self._generating_policy = self._episode_temperature = None
-                self._episode_logprobs = True
-        # an id past the embedding rows would crash deep in the model (a device assert on CUDA): refused here
-        outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length,
-                                  vocab_size=embedding_rows(self.unwrapped.policy))
-        responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
-        queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
-        device = self.accelerator.device
-        responses, response_mask, action_mask = responses.to(device), response_mask.to(device), action_mask.to(device)
-        engine_logprobs = None
-        if args.use_vllm:  # NaN where there is none (environment tokens count as none, and are never read)
-            engine_logprobs = sampler_logprobs.to(device).masked_fill(~response_mask, 0.0)
-        return SampledBatch(
-            queries=queries.to(device), query_mask=query_mask.to(device), responses=responses,
-            response_mask=response_mask, action_mask=action_mask,
-            has_stop=episode_has_stop(responses, action_mask, self.stop_token_ids),
-            policy_version=self.state.global_step, engine_logprobs=engine_logprobs,
-            extras={**extras, **outputs.extra},
-        )
-
-    @torch.no_grad()
     def generate_continuations(self, prefixes: list[list[int]], max_new_tokens: int | list[int],
                                temperature: float | None = None, *, logprobs: bool | None = None,
                                ) -> tuple[list[list[int]], list[list[float]]]:
-        """Continue token-id prefixes with the current policy, for a ``rollout_func``'s turns.
+        """Continue token-id prefixes with the current policy, for a ``rollout_func``'s turns, on the run's
+        engine (vLLM with ``use_vllm``, else transformers' ``generate``) at ``temperature`` (default: the
+        rollout's, ``args.temperature`` outside one), drawing from the run's RNG. ``logprobs``: False skips
+        the policy forward that gives ``generate``'s log-probs (NaN then); None: the rollout's mode.
+        Returns per row the new ids (through the first stop token) and their log-probs
+        (``sampling.RolloutSampler.continue_prefixes``)."""
+        return self.sampler.continue_prefixes(prefixes, max_new_tokens, temperature, logprobs=logprobs,
+                                              policy=self.sampling_policy())
 
-        Samples on the run's engine (the vLLM engine with ``use_vllm``, else transformers'
-        ``generate``), at ``temperature`` (default: the rollout's, ``args.temperature`` in
-        training), drawing from the run's RNG (a resumed run samples what the unbroken one did).
-
-        Args:
-            prefixes: B token-id lists (each a whole conversation so far: prompt, earlier turns,
-                environment replies), none empty.
-            max_new_tokens: the most new tokens, one for all rows or one per row (>= 1 each).
-            logprobs: False: NaN for every log-prob where ``generate`` sampled (skips the
-                policy's forward that computes them; the vLLM engine returns its own anyway).
-                None: True, except in the trainer's own tool loop without vLLM, which reads none.
-
-        Returns:
-            ``(ids, logprobs)``: per row the new ids, ending with the first stop token when one
-            was sampled (it is kept), at most that row's ``max_new_tokens``; and the sampler's
-            log-prob of each new id at the sampling temperature (the policy's own when
-            ``generate`` sampled).
-        """
-        args, tok = self.args, self.processing_class
-        budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if not prefixes or len(budgets) != len(prefixes) or min(budgets) < 1 or any(not p for p in prefixes):
-            raise ValueError(
-                f"generate_continuations needs non-empty prefixes and one max_new_tokens >= 1 per prefix; got "
-                f"{len(prefixes)} prefixes (lengths {[len(p) for p in prefixes]}) and max_new_tokens={max_new_tokens}"
-            )
-        if logprobs is None:
-            logprobs = self._episode_logprobs
-        if temperature is None:  # the rollout's (0.0 included: a greedy evaluation), else the config's
-            temperature = args.temperature if self._episode_temperature is None else self._episode_temperature
-        if self._generating_policy is None:  # called outside a rollout: gather/unwrap the policy here
-            with unwrap_model_for_generation(
-                self.model, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
-            ) as unwrapped:
-                self._generating_policy = unwrapped.policy
-                try:
-                    return self.generate_continuations(prefixes, budgets, temperature, logprobs=logprobs)
-                finally:
-                    self._generating_policy = None
-        policy, width = self._generating_policy, max(budgets)
-        queries, query_mask = (t.to(self.accelerator.device) for t in padded_prompts(prefixes, tok.pad_token_id))
-        sampled = engine_logprobs = None
-        if args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
-            raw, engine_logprobs, sampled = self.sample_with_engine(policy, queries, query_mask, temperature, width)
-        else:
-            pad_id = generation_pad_id(tok.pad_token_id, self.stop_token_ids, embedding_rows(policy))
-            config = sampling_config(width, self.stop_token_ids, pad_id, temperature, self.sampling_filters,
-                                     args.cache_implementation)
-            with self.accelerator.autocast():
-                raw = generate_responses(policy, queries, query_mask, config, width, tok.pad_token_id,
-                                         args.local_rollout_forward_batch_size, filters=self.sampling_filters)
-        responses, mask, _ = finalize_responses(raw, self.stop_token_ids, tok.pad_token_id, sampled)
-        if engine_logprobs is None and logprobs:  # generate's sampler is the policy: its log-probs at the temperature
-            part = SampledBatch(queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
-                                has_stop=mask[:, -1])
-            inputs = sequence_inputs(queries, query_mask, responses, mask)
-            engine_logprobs = reference_response_logprobs(policy, part, inputs, effective_temperature(temperature),
-                                                          self.accelerator.autocast, filters=self.sampling_filters)
-        elif engine_logprobs is None:
-            engine_logprobs = torch.full(responses.shape, float("nan"), device=responses.device)
-        return continuation_rows(responses, mask, engine_logprobs, budgets)
+    def sample_with_engine(self, policy, queries, query_mask, temperature: float, max_tokens: int | None = None):
+        """``(responses (B, T), engine_logprobs (B, T), sampled (B, T) bool)`` from the vLLM engine, the
+        policy's weights pushed first when they changed (``sampling.RolloutSampler.sample_on_engine``)."""
+        return self.sampler.sample_on_engine(policy, queries, query_mask, temperature, self._policy_version,
+                                             max_tokens)
 
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
@@ -1085,7 +897,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         # the tool loop's counts of this rollout can, so the resumed update logs its tools/* figures
         saved = replace(rollout, extras={k: v for k, v in rollout.extras.items() if k != "environments"})
         if self.agent_rollout is not None:
-            saved.extras[INFLIGHT_TOOL_STATS] = asdict(self._tool_stats)
+            saved.extras[INFLIGHT_TOOL_STATS] = asdict(self.sampler.tool_stats)
         for epoch in range(start.epoch if start else 0, self.plan.num_ppo_epochs):
             resuming = start is not None and epoch == start.epoch and start.order is not None
             order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
@@ -1105,7 +917,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         extras = dict(inflight.rollout.get("extras") or {})
         tool_stats = extras.pop(INFLIGHT_TOOL_STATS, None)
         if tool_stats is not None:  # the counts of the tool loops that sampled this rollout
-            self._tool_stats = ToolLoopStats(**tool_stats)
+            self.sampler.tool_stats = ToolLoopStats(**tool_stats)
         return Rollout(**{**inflight.rollout, "extras": extras}), PPOTargets(**inflight.advantages)
 
     def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
@@ -1276,19 +1088,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return metrics
 
     def _tool_metrics(self) -> dict[str, float]:
-        """TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and ``tools/loop_exhausted_frac``,
-        ``tools/timed_out_frac`` and ``rollout/turns_max``, of this update's tool loops summed over every
-        process (one gather)."""
-        stats = self._tool_stats
-        local = torch.tensor([[stats.rollouts, stats.calls, stats.failures, stats.turns, stats.exhausted,
-                               stats.timed_out, stats.turns_max]], dtype=torch.float64, device=self.accelerator.device)
-        rows = self.accelerator.gather(local).reshape(-1, 7)
-        sums = rows.sum(0).tolist()
-        total = ToolLoopStats(rollouts=int(sums[0]), calls=int(sums[1]), failures=int(sums[2]), turns=int(sums[3]),
-                              exhausted=int(sums[4]), timed_out=int(sums[5]), turns_max=int(rows[:, 6].max()))
-        metrics = total.metrics()
-        metrics.pop("rollout/turns_mean")  # the action mask's figure is logged already (metrics.update_statistics)
-        return metrics
+        """The tool loops' figures of this update, summed over every process (``metrics.tool_loop_metrics``)."""
+        return tool_loop_metrics(self.sampler.tool_stats, gather=self.accelerator.gather,
+                                 device=self.accelerator.device)
 
     def _take_reward_logs(self, logs: RewardLogs | None = None) -> dict[str, float]:
         """What reward functions passed to ``log_metric`` since the last call (into ``logs``,
@@ -1417,6 +1219,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if self.accelerator.is_main_process:
             show_completions(df, self.args.report_to)
         return df
+
+
+def _call_rollout_func(rollout_func, trainer: PPOTrainer, prompts: list):
+    """TRL GRPO's call: ``rollout_func(prompts, trainer)``."""
+    return rollout_func(prompts, trainer)
 
 
 def seed_construction(args) -> None:

@@ -19,7 +19,8 @@ from trl_ppo_ext.generation.filters import (
     generation_kwargs_dict,
     seen_tokens,
 )
-from trl_ppo_ext.rollout import forward_responses, generate_responses, sampling_config, sequence_inputs
+from trl_ppo_ext.generation.transformers_generate import generate_responses, sampling_config
+from trl_ppo_ext.rollout import forward_responses, sequence_inputs
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 INF = math.inf

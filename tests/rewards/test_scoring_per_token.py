@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trl_ppo_ext import functional as F
-from trl_ppo_ext.rewards.scoring import is_token_level, process_rewards, separator_ends, token_rewards
+from trl_ppo_ext.rewards.process import process_rewards, separator_ends
+from trl_ppo_ext.rewards.scoring import is_token_level, token_rewards
 
 # rows of 4 tokens with 3, 2, 4 and 0 valid ones
 MASK = torch.tensor([[True, True, True, False],

@@ -10,7 +10,8 @@
 - `arguments`: the config fields (`ToolArguments`: ``max_tool_calling_iterations``,
   ``chat_template_kwargs``, ``tool_timeout``), which ``PPOConfig`` inherits.
 
-The facts of TRL's contract, with file and line, are in ``../shared/notes/agentic-ppo.md``.
+The facts of TRL's contract are cited by file and line of TRL 1.16's ``trl/trainer/grpo_trainer.py`` (G:line)
+in each module.
 
 >>> from trl_ppo_ext import agents
 >>> agents.ToolLoopStats(rollouts=3, calls=2, failures=1).metrics()["tools/failure_frequency"]

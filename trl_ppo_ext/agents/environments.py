@@ -3,8 +3,7 @@
 An environment is an object with ``reset(**row) -> str | None``, whose public methods are the
 model's tools, and optionally ``get_reward() -> float`` (sync or async). ``environment_factory``
 is a callable returning one, or a dict ``{name: factory}`` that each dataset row picks by its
-``environment`` column. The rules (``grpo_trainer.py`` G:671-730, G:2343-2398; section A3 of
-``../shared/notes/agentic-ppo.md``):
+``environment`` column. The rules (TRL 1.16's ``grpo_trainer.py`` G:671-730, G:2343-2398):
 
 - At construction one probe instance per factory checks that its class defines ``reset``; its
   tools are the functions on the *class* (``inspect.getmembers(type(env), inspect.isfunction)``:

@@ -1,8 +1,8 @@
 r"""The batched multi-turn tool loop: token ids in, token ids out, any generation engine.
 
-TRL 1.16 GRPO's ``_tool_call_loop`` (``grpo_trainer.py`` G:1893-2191; section A2 of
-``../shared/notes/agentic-ppo.md``), for a ``generate(prefixes, max_new_tokens) -> (ids,
-logprobs)`` callable (the trainer's ``generate_continuations``):
+TRL 1.16 GRPO's ``_tool_call_loop`` (``trl/trainer/grpo_trainer.py``, G:1893-2191), for a
+``generate(prefixes, max_new_tokens) -> (ids, logprobs)`` callable (the rollout sampler's
+continuation, ``sampling.RolloutSampler``, or a trainer subclass's ``generate_continuations``):
 
 1. Each prompt (a message list) is rendered with its rollout's tool schemas
    (``apply_chat_template(tools=..., add_generation_prompt=True, **chat_template_kwargs)``) and

@@ -5,7 +5,7 @@ plus the public methods of that rollout's environment, keyed by ``__name__``, as
 (``grpo_trainer.py`` G:2361-2380). A parsed call has TRL's form
 ``{"type": "function", "function": {"name": ..., "arguments": {...}}}``.
 
-What a call becomes (TRL G:1970-2026, section A2 of ``../shared/notes/agentic-ppo.md``):
+What a call becomes (TRL 1.16's ``grpo_trainer.py`` G:1970-2026):
 
 - the tool's return value, as ``{"role": "tool", "name": name, "content": ...}``;
 - ``{"error": str(e)}`` and one counted failure when the tool raises, the name is unknown

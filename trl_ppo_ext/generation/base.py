@@ -28,10 +28,30 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .filters import SamplingFilters
+
 logger = logging.getLogger(__name__)
 
 # Request seeds are drawn in [0, 2**31 - 1): every engine and server accepts a signed 32-bit seed.
 SEED_HIGH = 2**31 - 1
+
+
+# The smallest temperature used when 0 is asked for (TRL adds the same 1e-7 to every temperature).
+MIN_TEMPERATURE = 1e-7
+
+
+def effective_temperature(temperature: float) -> float:
+    """``temperature``, or ``MIN_TEMPERATURE`` for 0 (near-greedy sampling, as in TRL).
+
+    Raises ``ValueError`` for a negative value.
+
+    Example:
+        >>> effective_temperature(0.0), effective_temperature(0.7)  # 0 samples near-greedily, as TRL does
+        (1e-07, 0.7)
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}. Use 1.0 for plain sampling.")
+    return max(float(temperature), MIN_TEMPERATURE)
 
 
 # Below this sampling temperature vLLM's sampled-token log-probs stop matching log_softmax(logits / T)
@@ -65,6 +85,11 @@ class SamplingSettings:
     top_p: float = 1.0
     min_p: float = 0.0  # 0.0: off
     repetition_penalty: float = 1.0
+
+    def filters(self) -> SamplingFilters:
+        """The filter fields as the trainer's own ``SamplingFilters`` (``min_p`` 0.0 read as off: None)."""
+        return SamplingFilters(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p or None,
+                               repetition_penalty=self.repetition_penalty)
 
     def filter_params(self) -> dict:
         """The filter fields as vLLM's ``SamplingParams`` / ``/v1/completions`` take them."""
@@ -211,6 +236,15 @@ class GenerationEngine(ABC):
                  generator: torch.Generator | None = None) -> EngineSamples:
         """Sample one completion per prompt; request seeds come from ``generator`` (see
         :func:`request_seeds`)."""
+
+    def sample(self, queries: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings,
+               pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One batch of padded prompts -> ``(responses (B, T), engine_logprobs (B, T) or None,
+        sampled (B, T) bool or None)``, ``T = settings.max_tokens``: what the rollout sampler reads.
+        By default :func:`sample_responses` over :meth:`generate`; an engine that samples tensors
+        directly (transformers' ``generate``) overrides it and returns None where it gives nothing
+        (its log-probs are the trainer's own forward; every position up to the stop was sampled)."""
+        return sample_responses(self, queries, query_mask, settings, pad_token_id)
 
     def load_policy(self, policy: nn.Module, version: int) -> bool:
         """Make the engine sample from ``policy`` as it is now, if ``version`` differs from the

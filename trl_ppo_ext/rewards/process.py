@@ -16,7 +16,7 @@ Two paths, as for sequence reward models (``reward_text``):
 
 * **ids** (the PRM's tokenizer has the policy's vocabulary, ``reward_text.same_vocabulary``): the
   completion's own ids (without its final EOS) follow the prompt, and the separators are found in them
-  (``rewards.separator_ends``): the scores land exactly on the policy's separator tokens.
+  (:func:`separator_ends`): the scores land exactly on the policy's separator tokens.
 * **text** (another vocabulary): the completion is decoded, split into steps on
   ``step_separator`` and tokenized step by step as ``PRMTrainer`` does; the ``j``-th score goes
   to the policy token whose decoded text ends the ``j``-th separator.
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .scoring import process_rewards, processing_class_entries, separator_ends
+from .scoring import processing_class_entries
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,66 @@ class ProcessRewardModel:
                                     self.positive_label).cpu()
             out += [[float(probs[b, t]) for t in places] for b, places in enumerate(at)]
         return out
+
+
+def separator_ends(ids: torch.Tensor, mask: torch.Tensor, separator_ids: Sequence[int]) -> torch.Tensor:
+    """Where each occurrence of the step separator ends.
+
+    Args:
+        ids: ``(B, T)`` token ids. mask: bool ``(B, T)``, True = the token counts.
+        separator_ids: the separator's token ids (TRL's ``PRMTrainer`` appends
+            ``tokenizer.encode(step_separator, add_special_tokens=False)`` to every step and labels
+            its last token), ``k >= 1`` of them.
+    Returns:
+        bool ``(B, T)``: True at the last token of every run ``ids[b, t-k+1 : t+1] == separator_ids``
+        lying wholly on counted tokens.
+
+    Example:
+        >>> separator_ends(torch.tensor([[5, 9, 7, 9]]), torch.tensor([[True, True, True, False]]), [9])
+        tensor([[False,  True, False, False]])
+    """
+    k = len(separator_ids)
+    if k == 0:
+        raise ValueError("separator_ids is empty; pass the step separator's token ids (at least one).")
+    out = torch.zeros_like(mask, dtype=torch.bool)
+    if ids.shape[1] < k:
+        return out
+    sep = torch.as_tensor(list(separator_ids), dtype=ids.dtype, device=ids.device)
+    windows = ids.unfold(1, k, 1)  # (B, T - k + 1, k): window j covers tokens j .. j + k - 1
+    found = (windows == sep).all(-1) & mask.bool().unfold(1, k, 1).all(-1)
+    out[:, k - 1:] = found
+    return out
+
+
+def process_rewards(logits: torch.Tensor, ids: torch.Tensor, response_mask: torch.Tensor,
+                    separator_ids: Sequence[int], positive_label: int = 1) -> torch.Tensor:
+    """A process reward model's step scores placed on the step separators of the responses.
+
+    A PRM trained with TRL's ``PRMTrainer`` is a token classifier whose label at the last token
+    of each step's separator says whether the step is correct (1) or not (0). Its step score is
+    ``P(positive_label)``, read at every separator end.
+
+    Args:
+        logits: ``(B, T, C)`` token-classification logits at the response tokens (``logits[:, t]``
+            classifies token ``t``: no shift, unlike a causal LM).
+        ids: ``(B, T)`` response ids the PRM read. response_mask: bool ``(B, T)``.
+        separator_ids: the step separator's token ids. positive_label: the "correct" class.
+    Returns:
+        ``(B, T)`` float32: ``softmax(logits[b, t])[positive_label]`` where a separator ends at
+        ``t`` (:func:`separator_ends`), 0 elsewhere. A final step without a separator gets no
+        score (``PRMTrainer`` labels only separators).
+    """
+    if logits.shape[:2] != ids.shape or ids.shape != response_mask.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be (B, T, C) over ids/response_mask (B, T) = "
+                         f"{tuple(ids.shape)}/{tuple(response_mask.shape)}.")
+    if not 0 <= positive_label < logits.shape[-1]:
+        raise ValueError(f"positive_label={positive_label} is not a class of the PRM's {logits.shape[-1]} labels.")
+    scores = logits.float().softmax(-1)[..., positive_label]
+    at_step = separator_ends(ids, response_mask, separator_ids)
+    return torch.where(at_step, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
+# ---------------------------------------------------------------- what the trainer hands over
 
 
 def _separator_ids(tokenizer, step_separator: str) -> list[int]:

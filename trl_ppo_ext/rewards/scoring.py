@@ -22,7 +22,7 @@ Beyond one number per completion: per-token rewards (a function may return, per
 completion, ``(token_index, reward)`` pairs or one value per token: :func:`token_rewards`,
 :func:`evaluate_rewards_per_token`), per-turn rewards (:class:`TurnRewards`, one value per model
 turn of an episode, each on its turn's last token), a process reward model's step scores on the step separators
-(:func:`process_rewards`), reward models with their own tokenizer (``Reward.tokenizer``,
+(``process.process_rewards``), reward models with their own tokenizer (``Reward.tokenizer``,
 :func:`with_reward_tokenizers`; the text path is :mod:`trl_ppo_ext.rewards.text`), and
 :func:`remote_reward` (:mod:`trl_ppo_ext.rewards.remote`), usable today.
 
@@ -51,8 +51,8 @@ from .remote import RemoteReward, RemoteRewardError, remote_reward
 __all__ = [
     "Reward", "RemoteReward", "RemoteRewardError", "TurnRewards", "build_rewards", "call_functions", "check_outputs",
     "check_reward_heads", "combine_scores", "evaluate_rewards", "evaluate_rewards_per_token", "is_token_level",
-    "nonfinite_rewards", "process_rewards", "processing_class_entries", "remote_reward", "reward_function_kwargs",
-    "reward_name", "rewards_per_token", "separator_ends", "token_rewards", "turn_positions", "values_and_mask",
+    "nonfinite_rewards", "processing_class_entries", "remote_reward", "reward_function_kwargs",
+    "reward_name", "rewards_per_token", "token_rewards", "turn_positions", "values_and_mask",
     "with_reward_tokenizers",
 ]
 
@@ -608,64 +608,6 @@ def nonfinite_rewards(values: torch.Tensor, applies: torch.Tensor, names: Sequen
     return "; ".join(parts)
 
 
-def separator_ends(ids: torch.Tensor, mask: torch.Tensor, separator_ids: Sequence[int]) -> torch.Tensor:
-    """Where each occurrence of the step separator ends.
-
-    Args:
-        ids: ``(B, T)`` token ids. mask: bool ``(B, T)``, True = the token counts.
-        separator_ids: the separator's token ids (TRL's ``PRMTrainer`` appends
-            ``tokenizer.encode(step_separator, add_special_tokens=False)`` to every step and labels
-            its last token), ``k >= 1`` of them.
-    Returns:
-        bool ``(B, T)``: True at the last token of every run ``ids[b, t-k+1 : t+1] == separator_ids``
-        lying wholly on counted tokens.
-
-    Example:
-        >>> separator_ends(torch.tensor([[5, 9, 7, 9]]), torch.tensor([[True, True, True, False]]), [9])
-        tensor([[False,  True, False, False]])
-    """
-    k = len(separator_ids)
-    if k == 0:
-        raise ValueError("separator_ids is empty; pass the step separator's token ids (at least one).")
-    out = torch.zeros_like(mask, dtype=torch.bool)
-    if ids.shape[1] < k:
-        return out
-    sep = torch.as_tensor(list(separator_ids), dtype=ids.dtype, device=ids.device)
-    windows = ids.unfold(1, k, 1)  # (B, T - k + 1, k): window j covers tokens j .. j + k - 1
-    found = (windows == sep).all(-1) & mask.bool().unfold(1, k, 1).all(-1)
-    out[:, k - 1:] = found
-    return out
-
-
-def process_rewards(logits: torch.Tensor, ids: torch.Tensor, response_mask: torch.Tensor,
-                    separator_ids: Sequence[int], positive_label: int = 1) -> torch.Tensor:
-    """A process reward model's step scores placed on the step separators of the responses.
-
-    A PRM trained with TRL's ``PRMTrainer`` is a token classifier whose label at the last token
-    of each step's separator says whether the step is correct (1) or not (0). Its step score is
-    ``P(positive_label)``, read at every separator end.
-
-    Args:
-        logits: ``(B, T, C)`` token-classification logits at the response tokens (``logits[:, t]``
-            classifies token ``t``: no shift, unlike a causal LM).
-        ids: ``(B, T)`` response ids the PRM read. response_mask: bool ``(B, T)``.
-        separator_ids: the step separator's token ids. positive_label: the "correct" class.
-    Returns:
-        ``(B, T)`` float32: ``softmax(logits[b, t])[positive_label]`` where a separator ends at
-        ``t`` (:func:`separator_ends`), 0 elsewhere. A final step without a separator gets no
-        score (``PRMTrainer`` labels only separators).
-    """
-    if logits.shape[:2] != ids.shape or ids.shape != response_mask.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} must be (B, T, C) over ids/response_mask (B, T) = "
-                         f"{tuple(ids.shape)}/{tuple(response_mask.shape)}.")
-    if not 0 <= positive_label < logits.shape[-1]:
-        raise ValueError(f"positive_label={positive_label} is not a class of the PRM's {logits.shape[-1]} labels.")
-    scores = logits.float().softmax(-1)[..., positive_label]
-    at_step = separator_ends(ids, response_mask, separator_ids)
-    return torch.where(at_step, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
-
-
-# ---------------------------------------------------------------- what the trainer hands over
 def reward_function_kwargs(tokenizer, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                            extras: dict, trainer_state=None, logged: dict | None = None) -> dict:
     """The keyword arguments of a reward function (TRL GRPO's convention) for ``B`` completions.

@@ -1,0 +1,378 @@
+"""The rollout sampler: prompts -> ``SampledBatch``, the pipeline's first phase.
+
+:class:`RolloutSampler` turns a batch of prompts (the collator's ``input_ids`` and
+``attention_mask``, plus the dataset's other columns) into a :class:`~trl_ppo_ext.rollout.SampledBatch`
+in one of three ways:
+
+* one engine (``generation/``): the vLLM engine with ``use_vllm`` (and a temperature it samples
+  at faithfully), else transformers' ``generate`` (``generation.transformers_generate``);
+* a user's ``rollout_func`` (TRL GRPO's contract), whose turns sample through
+  :meth:`RolloutSampler.continue_prefixes`;
+* the tool loop (``agents.AgentRollout``), whose ``generate`` callable is
+  :meth:`RolloutSampler.continue_prefixes` with the episode's policy, temperature and log-prob mode
+  bound as arguments: it never calls back into the trainer.
+
+What it samples with is passed in: a :class:`PolicySnapshot` (the trainer's model, the update the
+batch belongs to and the version of its weights) and the temperature. ``rollout.py`` then scores
+the batch (``SampledBatch -> Rollout``).
+
+Asynchronous rollouts: ``sample`` is the one call the trainer makes per rollout, and every batch
+carries the ``policy_version`` it was sampled at (the trainer discards one older than
+``max_rollout_age``). A sampler that samples the next batch while the trainer updates keeps that
+interface: it starts ``sample`` for the next prompts in the background with the snapshot of that
+moment and returns the finished batch at the next call.
+
+Notation: ``B`` prompts, ``P`` prompt positions (left padded), ``T`` response positions.
+
+Example:
+
+>>> import torch
+>>> from trl_ppo_ext.sampling import prompt_tensors
+>>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])                  # right padded by a collator
+>>> queries, query_mask = prompt_tensors({"input_ids": ids, "attention_mask": ids != 0}, 0, "cpu")
+>>> queries.tolist(), query_mask.tolist()                        # left padded, as every engine takes them
+([[0, 5, 6], [0, 0, 7]], [[False, True, True], [False, False, True]])
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ._compat import unwrap_model_for_generation
+from .agents.tool_loop import ToolLoopStats
+from .data import PromptCollator
+from .episodes import continuation_rows, episode_has_stop, pad_episodes, padded_prompts, rollout_outputs
+from .generation import SamplingSettings, build_vllm_engine
+from .generation.base import VLLM_MIN_TEMPERATURE, GenerationEngine, effective_temperature
+from .generation.filters import SamplingFilters
+from .generation.transformers_generate import TransformersEngine
+from .models.prepare import embedding_rows
+from .rollout import SampledBatch, finalize_responses, left_pad, reference_response_logprobs, sequence_inputs
+
+__all__ = ["PolicySnapshot", "RolloutSampler", "TurnSettings", "build_agent_rollout", "prompt_tensors",
+           "vllm_policy_engine"]
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """The policy a batch is sampled with, as of the moment sampling starts."""
+
+    model: nn.Module  # the trainer's model as prepared (DDP/DeepSpeed wrapped); its ``.policy`` samples
+    version: int  # the update the batch is sampled for (the global step): ``SampledBatch.policy_version``
+    weights_version: int  # the global step its weights are from: an engine holding another version gets them
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """How the turns of the episodes being sampled continue their prefixes."""
+
+    policy: nn.Module  # the causal LM that samples (unwrapped; gathered under ZeRO-3)
+    temperature: float  # as asked; 0: near-greedy (``effective_temperature``)
+    logprobs: bool  # whether the sampler's log-probs are computed where ``generate`` samples
+    weights_version: int  # see PolicySnapshot
+
+
+def prompt_tensors(batch, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(queries (B, P), query_mask (B, P) bool)`` left padded, from a collated batch's
+    ``input_ids`` and ``attention_mask`` (without a mask, the pad id marks padding).
+
+    Raises:
+        ValueError: a row without any attended token.
+    """
+    ids = batch["input_ids"].to(device)
+    if "attention_mask" in batch:
+        mask = batch["attention_mask"].to(device).bool()
+    else:  # a custom collator without a mask: the only remaining signal is the pad id
+        mask = ids != pad_token_id
+    if ids.shape[1] == 0 or not mask.any(dim=1).all():
+        raise ValueError(
+            "A batch holds an empty prompt (no attended token). Every prompt needs at least one token: drop "
+            "empty rows from the dataset, and check that the data_collator returns an `attention_mask`."
+        )
+    return left_pad(ids, mask, pad_token_id)
+
+
+def vllm_policy_engine(args, unwrapped: nn.Module, *, is_peft: bool, adapter_name: str | None,
+                       engine_kwargs: dict | None = None) -> GenerationEngine:
+    """The vLLM engine of ``use_vllm``, built from the policy itself (the causal LM, or the
+    ``PeftModel`` whose policy adapter it samples with; never the value model or value adapter):
+    ``unwrapped`` is the trainer's model without DDP/DeepSpeed wrapping. Leaves the RNG as it was."""
+    policy = unwrapped.policy
+    adapter = None
+    if is_peft:
+        adapter = getattr(unwrapped, "policy_adapter", None) or adapter_name or policy.active_adapter
+    return build_vllm_engine(args, policy, adapter=adapter, seed=args.seed, engine_kwargs=engine_kwargs)
+
+
+def build_agent_rollout(args, tokenizer, tools, environment_factory, model, train_dataset):
+    """The tool loop of a run with ``tools`` or an ``environment_factory`` (``agents.AgentRollout``: TRL's
+    checks of the chat template and the environments run here), or None without either. Its context is
+    vLLM's ``vllm_max_model_length`` with ``use_vllm``, else the model's ``max_position_embeddings``; an
+    environment's ``reset`` is probed with the dataset's first row."""
+    if not tools and environment_factory is None:
+        return None
+    from .agents import AgentRollout
+
+    max_model_len = args.vllm_max_model_length if args.use_vllm else None
+    if max_model_len is None:
+        max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    sample_row = None
+    if environment_factory is not None and train_dataset is not None and len(train_dataset):
+        sample_row = {k: v for k, v in train_dataset[0].items() if k not in PromptCollator.TOKEN_KEYS}
+    return AgentRollout(
+        tokenizer, tools=tools, environment_factory=environment_factory, response_length=args.response_length,
+        max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=args.chat_template_kwargs,
+        tool_timeout=args.tool_timeout, max_model_len=max_model_len, sample_row=sample_row)
+
+
+class RolloutSampler:
+    """Prompts -> ``SampledBatch`` through one engine, a ``rollout_func`` or the tool loop.
+
+    Args:
+        args: the run's config, read at every call (``response_length``, ``temperature``,
+            ``use_vllm``, the sampling filters, ``local_rollout_forward_batch_size``, ...).
+        tokenizer: the policy's tokenizer (its pad id; prompts decoded for a ``rollout_func``).
+        accelerator: the trainer's ``Accelerator`` (device, precision, unwrapping for generation).
+        stop_token_ids: the ids that end a response (``generation.transformers_generate.generation_stop_ids``).
+        rollout_func: ``prompts -> dict`` (TRL GRPO's ``rollout_func`` with its trainer bound), or None.
+        agent_rollout: the tool loop (``agents.AgentRollout``), or None.
+        engine_factory: ``() -> GenerationEngine``, the vLLM engine (built when first needed).
+        turns: ``(prefixes, max_new_tokens) -> (ids, logprobs)`` that the tool loop samples its turns
+            with instead of :meth:`continue_prefixes` (a trainer subclass's own ``generate_continuations``).
+
+    Attributes:
+        engine: the vLLM engine, or None (none yet, or closed: the next vLLM sample builds one).
+        tool_stats: the tool loop's counts summed over the batches sampled since it was last reset.
+    """
+
+    def __init__(self, args, tokenizer, accelerator, stop_token_ids: tuple, *,
+                 rollout_func: Callable[[list], dict] | None = None, agent_rollout=None,
+                 engine_factory: Callable[[], GenerationEngine] | None = None,
+                 turns: Callable | None = None):
+        self.args, self.tokenizer, self.accelerator = args, tokenizer, accelerator
+        self.stop_token_ids = stop_token_ids
+        self.rollout_func, self.agent_rollout = rollout_func, agent_rollout
+        self.engine_factory, self.turns = engine_factory, turns
+        self.engine: GenerationEngine | None = None
+        self.tool_stats = ToolLoopStats()
+        # The turn settings of the episodes being sampled. A rollout_func receives the trainer (TRL's contract)
+        # and calls its generate_continuations(prefixes, max_new_tokens): those calls find the episode's policy,
+        # temperature and log-prob mode here. The tool loop gets them bound as arguments instead.
+        self._episode: TurnSettings | None = None
+
+    # ------------------------------------------------------------------ whole batches
+    @torch.no_grad()
+    def sample(self, batch, policy: PolicySnapshot, temperature: float | None = None) -> SampledBatch:
+        """Sample responses to a collated batch of prompts with ``policy`` at ``temperature``
+        (default: ``args.temperature``): through :meth:`sample_episodes` with a ``rollout_func``
+        or tools, else one response per prompt on the run's engine -- the vLLM engine with
+        ``use_vllm``, except below ``VLLM_MIN_TEMPERATURE`` (a greedy evaluation, which training
+        never samples at: the config refuses it), where vLLM's log-probs are wrong and transformers'
+        ``generate`` samples instead.
+
+        Returns:
+            A ``SampledBatch`` whose ``engine_logprobs`` ``(B, T)`` are vLLM's (0 off the response
+            mask), or None where ``generate`` sampled.
+        """
+        args, pad_token_id = self.args, self.tokenizer.pad_token_id
+        temperature = args.temperature if temperature is None else temperature
+        if self.rollout_func is not None or self.agent_rollout is not None:
+            return self.sample_episodes(batch, policy, temperature)
+        queries, query_mask = prompt_tensors(batch, pad_token_id, self.accelerator.device)
+        with self._generating(policy.model) as module:
+            raw, engine_logprobs, sampled = self._sample_ids(module, queries, query_mask, temperature,
+                                                             args.response_length, policy.weights_version)
+        responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, pad_token_id, sampled)
+        if engine_logprobs is not None:
+            engine_logprobs = engine_logprobs.masked_fill(~mask, 0.0)
+        return SampledBatch(
+            queries=queries, query_mask=query_mask, responses=responses, response_mask=mask, has_stop=has_stop,
+            policy_version=policy.version, engine_logprobs=engine_logprobs, extras=_columns(batch),
+        )
+
+    @torch.no_grad()
+    def sample_episodes(self, batch, policy: PolicySnapshot, temperature: float) -> SampledBatch:
+        """A batch of episodes from the ``rollout_func`` (called with a copy of the batch's
+        ``prompt`` column, or its decoded prompts) or the tool loop (called with a copy of each
+        row), checked (``episodes.rollout_outputs``: errors name the key and row) and padded
+        (``episodes.pad_episodes``): ``prompt_ids`` are the queries, ``completion_ids`` the
+        responses, ``env_mask`` the ``action_mask``, every other key a column the rewards receive.
+
+        The turns sample with ``policy`` at ``temperature`` (:meth:`continue_prefixes`). The
+        tool loop's turns skip the sampler's log-probs without vLLM (the trainer's forward gives the
+        old ones); with vLLM the engine's are kept (importance weights, ``sampling/*``).
+        """
+        args, tok = self.args, self.tokenizer
+        extras = _columns(batch)
+        prompts = extras.get("prompt")
+        if prompts is None:
+            queries, query_mask = prompt_tensors(batch, tok.pad_token_id, self.accelerator.device)
+            prompts = tok.batch_decode([q[m].tolist() for q, m in zip(queries, query_mask)], skip_special_tokens=True)
+        with self._generating(policy.model) as module:
+            turn = TurnSettings(module, temperature, logprobs=args.use_vllm if self.agent_rollout else True,
+                                weights_version=policy.weights_version)
+            with self._in_episode(turn):
+                if self.agent_rollout is not None:  # tools / environments: the tool loop
+                    rows = [{k: column[b] for k, column in extras.items()} for b in range(len(prompts))]
+                    generate = self.turns or functools.partial(self._continue_checked, turn=turn)
+                    output = self.agent_rollout(copy.deepcopy(rows), generate)
+                    self.tool_stats = self.tool_stats + self.agent_rollout.last_stats
+                else:
+                    output = self.rollout_func(copy.deepcopy(prompts))
+        # an id past the embedding rows would crash deep in the model (a device assert on CUDA): refused here
+        vocab_size = embedding_rows(self.accelerator.unwrap_model(policy.model).policy)
+        outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length,
+                                  vocab_size=vocab_size)
+        responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
+        queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
+        device = self.accelerator.device
+        responses, response_mask, action_mask = responses.to(device), response_mask.to(device), action_mask.to(device)
+        engine_logprobs = None
+        if args.use_vllm:  # NaN where there is none (environment tokens count as none, and are never read)
+            engine_logprobs = sampler_logprobs.to(device).masked_fill(~response_mask, 0.0)
+        return SampledBatch(
+            queries=queries.to(device), query_mask=query_mask.to(device), responses=responses,
+            response_mask=response_mask, action_mask=action_mask,
+            has_stop=episode_has_stop(responses, action_mask, self.stop_token_ids),
+            policy_version=policy.version, engine_logprobs=engine_logprobs, extras={**extras, **outputs.extra},
+        )
+
+    # ------------------------------------------------------------------ turns
+    @torch.no_grad()
+    def continue_prefixes(self, prefixes: list[list[int]], max_new_tokens: int | list[int],
+                          temperature: float | None = None, *, logprobs: bool | None = None,
+                          policy: PolicySnapshot | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Continue token-id prefixes (a ``rollout_func``'s turns, or a call outside any rollout).
+
+        Inside :meth:`sample_episodes` the episode's policy, temperature and log-prob mode fill what
+        is not given; outside, ``policy`` samples at ``args.temperature`` with log-probs.
+
+        Args:
+            prefixes: B non-empty token-id lists (each a whole conversation so far).
+            max_new_tokens: the most new tokens, one for all rows or one per row (>= 1 each).
+            logprobs: False: NaN for every log-prob where ``generate`` sampled (skips the policy's
+                forward that computes them; the vLLM engine returns its own anyway).
+            policy: what samples outside an episode (needed there).
+
+        Returns:
+            ``(ids, logprobs)``: per row the new ids, ending with the first stop token when one was
+            sampled (kept), at most that row's budget; and the sampler's log-prob of each new id at
+            the sampling temperature (the policy's own where ``generate`` sampled).
+        """
+        turn = self._episode
+        if turn is not None:
+            turn = replace(turn, temperature=turn.temperature if temperature is None else temperature,
+                           logprobs=turn.logprobs if logprobs is None else logprobs)
+            return self._continue_checked(prefixes, max_new_tokens, turn)
+        if policy is None:
+            raise ValueError("continue_prefixes outside an episode needs the policy to sample with (policy=).")
+        budgets = _budgets(prefixes, max_new_tokens)  # refused before any gather
+        with self._generating(policy.model) as module:
+            turn = TurnSettings(module, self.args.temperature if temperature is None else temperature,
+                                logprobs=True if logprobs is None else logprobs,
+                                weights_version=policy.weights_version)
+            return self._continue(prefixes, budgets, turn)
+
+    def _continue_checked(self, prefixes, max_new_tokens, turn: TurnSettings):
+        return self._continue(prefixes, _budgets(prefixes, max_new_tokens), turn)
+
+    def _continue(self, prefixes: list[list[int]], budgets: list[int], turn: TurnSettings):
+        """:meth:`continue_prefixes` with the turn's settings given; ``budgets`` one per prefix."""
+        pad_token_id = self.tokenizer.pad_token_id
+        queries, query_mask = (t.to(self.accelerator.device) for t in padded_prompts(prefixes, pad_token_id))
+        raw, engine_logprobs, sampled = self._sample_ids(turn.policy, queries, query_mask, turn.temperature,
+                                                         max(budgets), turn.weights_version)
+        responses, mask, _ = finalize_responses(raw, self.stop_token_ids, pad_token_id, sampled)
+        if engine_logprobs is None and turn.logprobs:  # generate's sampler is the policy: its log-probs at T
+            part = SampledBatch(queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
+                                has_stop=mask[:, -1])
+            inputs = sequence_inputs(queries, query_mask, responses, mask)
+            engine_logprobs = reference_response_logprobs(
+                turn.policy, part, inputs, effective_temperature(turn.temperature), self.accelerator.autocast,
+                filters=SamplingFilters.from_config(self.args))
+        elif engine_logprobs is None:
+            engine_logprobs = torch.full(responses.shape, float("nan"), device=responses.device)
+        return continuation_rows(responses, mask, engine_logprobs, budgets)
+
+    # ------------------------------------------------------------------ engines
+    def _sample_ids(self, policy: nn.Module, queries, query_mask, temperature: float, width: int,
+                    weights_version: int):
+        """``(raw ids (B, width), engine log-probs or None, sampled mask or None)`` from the engine
+        the temperature allows: vLLM with ``use_vllm`` at ``VLLM_MIN_TEMPERATURE`` or above, else
+        transformers' ``generate`` on ``policy``."""
+        if self.args.use_vllm and effective_temperature(temperature) >= VLLM_MIN_TEMPERATURE:
+            return self.sample_on_engine(policy, queries, query_mask, temperature, weights_version, width)
+        engine = TransformersEngine(policy, chunk_size=self.args.local_rollout_forward_batch_size,
+                                    cache_implementation=self.args.cache_implementation,
+                                    autocast=self.accelerator.autocast)
+        return engine.sample(queries, query_mask, self._settings(width, temperature), self.tokenizer.pad_token_id)
+
+    def sample_on_engine(self, policy: nn.Module, queries: torch.Tensor, query_mask: torch.Tensor,
+                         temperature: float, weights_version: int, max_tokens: int | None = None):
+        """``(responses (B, T), engine_logprobs (B, T), sampled (B, T) bool)`` from the vLLM engine
+        (``sampled``: where it produced a token). The policy's weights are pushed first when their
+        version changed (under ZeRO-3 inside the caller's gather); request seeds come from the run's
+        global RNG (which checkpoints save: a resumed run samples what the unbroken one did); the
+        engine sleeps afterwards (its memory free while the model trains). ``max_tokens``: the most
+        new tokens per row (default ``response_length``, the width of the result)."""
+        if self.engine is None:  # none yet, or closed by an earlier train()
+            self.engine = self.engine_factory()
+        self.engine.load_policy(policy, weights_version)
+        width = self.args.response_length if max_tokens is None else max_tokens
+        settings = replace(self._settings(width, temperature), temperature=effective_temperature(temperature))
+        try:
+            return self.engine.sample(queries, query_mask, settings, self.tokenizer.pad_token_id)
+        finally:
+            self.engine.sleep()
+
+    def _settings(self, max_tokens: int, temperature: float) -> SamplingSettings:
+        return SamplingSettings(max_tokens=max_tokens, temperature=temperature,
+                                stop_token_ids=tuple(self.stop_token_ids),
+                                **SamplingFilters.from_config(self.args).engine_fields())
+
+    def close_engine(self) -> None:
+        """Release the vLLM engine; a later vLLM sample builds a new one."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+    # ------------------------------------------------------------------ contexts
+    @contextmanager
+    def _generating(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The policy of the trainer's ``model`` ready to sample (unwrapped; gathered under ZeRO-3
+        with ``ds3_gather_for_generation``)."""
+        with unwrap_model_for_generation(
+            model, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+        ) as unwrapped:
+            yield unwrapped.policy
+
+    @contextmanager
+    def _in_episode(self, turn: TurnSettings) -> Iterator[TurnSettings]:
+        self._episode = turn
+        try:
+            yield turn
+        finally:
+            self._episode = None
+
+
+def _columns(batch) -> dict[str, list]:
+    """The batch's dataset columns other than the collator's token tensors."""
+    return {k: list(v) for k, v in batch.items() if k not in PromptCollator.TOKEN_KEYS}
+
+
+def _budgets(prefixes: list[list[int]], max_new_tokens: int | list[int]) -> list[int]:
+    """One budget per prefix; refuses empty prefixes and budgets below 1."""
+    budgets = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if not prefixes or len(budgets) != len(prefixes) or min(budgets) < 1 or any(not p for p in prefixes):
+        raise ValueError(
+            f"generate_continuations needs non-empty prefixes and one max_new_tokens >= 1 per prefix; got "
+            f"{len(prefixes)} prefixes (lengths {[len(p) for p in prefixes]}) and max_new_tokens={max_new_tokens}"
+        )
+    return budgets
