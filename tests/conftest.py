@@ -74,7 +74,8 @@ def pytest_collection_modifyitems(config, items):
         skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
     if not config.getoption("--launches"):
         skips["launches"] = pytest.mark.skip(
-            reason="a launch of its own (multi-process or a whole run in a subprocess): run with --launches, as CI does")
+            reason="a launch of its own (several processes, or a whole run in a subprocess): "
+                   "run with --launches, as CI does")
     for item in items:
         for marker, skip in skips.items():
             if marker in item.keywords:
