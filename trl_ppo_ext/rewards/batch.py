@@ -8,6 +8,15 @@ may override as in TRL); one with its own tokenizer scores its own rendering of 
 only calls back into the trainer; everything else is an argument (:class:`RewardReader`).
 
 Notation: ``B`` rows of the batch, ``T`` response tokens, ``F`` rewards.
+
+>>> from types import SimpleNamespace
+>>> from trl_ppo_ext.rewards.scoring import Reward
+>>> sample = SimpleNamespace(response_mask=torch.ones(2, 1, dtype=torch.bool), action_mask=None)
+>>> reader = RewardReader(None, torch.device("cpu"), None, 2, None, offload=False)
+>>> length = Reward("length", lambda completions, **kw: [float(len(c)) for c in completions], 0.5)
+>>> score_batch_rewards([length], sample, [], reader, chunk_scores=None, update=1,
+...                     function_kwargs=lambda s: {"completions": ["ab", "abcd"]})[0]  # 0.5 * 2, 0.5 * 4
+tensor([1., 2.])
 """
 
 from __future__ import annotations
