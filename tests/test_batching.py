@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trl_ppo_ext.batching import BatchPlan
+from trl_ppo_ext.batching import BatchPlan, check_local_batch
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
 
@@ -101,3 +101,22 @@ def test_one_optimizer_step_per_mini_batch_per_epoch(make_trainer, make_prompts,
     steps = record_optimizer_steps(trainer)
     trainer.train()
     assert steps == [nmb * epochs] * updates
+
+
+def test_groups_are_in_the_plan_prompts_per_batch_and_episodes_per_epoch():
+    # 4 * 2 = 8 rows per process, 4 samples per prompt: 2 prompts per batch; 10 prompts -> 40 episodes an epoch
+    plan = BatchPlan.from_config(SimpleNamespace(**vars(_args(4, 2, 2, total=None)), num_generations=4),
+                                 world_size=1, dataset_len=10)
+    assert plan.prompts_per_batch == 2 and plan.episodes_per_epoch(10) == 40
+    assert plan.total_episodes == 40  # num_train_epochs=1 over 10 prompts, 4 episodes each
+    plan.check_dataset(2)
+    with pytest.raises(ValueError, match=r"has 1 prompts, fewer than one rollout batch .* = 2\)"):
+        plan.check_dataset(1)
+
+
+def test_both_divisibility_rules_read_the_same_per_process_batch():
+    check_local_batch(3, 2, num_generations=3, num_mini_batches=2)  # 6 rows: 3 and 2 divide
+    with pytest.raises(ValueError, match=r"num_generations=4 does not divide .* = 3 \* 2 = 6"):
+        check_local_batch(3, 2, num_generations=4, num_mini_batches=2)
+    with pytest.raises(ValueError, match=r"num_mini_batches=4 does not divide .* = 3 \* 2 = 6"):
+        check_local_batch(3, 2, num_generations=3, num_mini_batches=4)

@@ -1,8 +1,9 @@
 """Batch arithmetic of a PPO run, in one place: what a rollout, a mini-batch and a
 micro-batch are, computed once from the config and the number of processes.
 
-Vocabulary (TRL's): one *update* samples a rollout batch of ``batch_size`` prompts
-(``local_batch_size`` per process), trains ``num_ppo_epochs`` passes over it, each pass cut
+Vocabulary (TRL's): one *update* samples a rollout batch of ``batch_size`` rows, or episodes
+(``local_batch_size`` per process): ``prompts_per_batch`` prompts per process, each sampled
+``num_generations`` times on adjacent rows (a group); it trains ``num_ppo_epochs`` passes over it, each pass cut
 into ``num_mini_batches`` shuffled mini-batches; every mini-batch is one optimizer step,
 its gradient accumulated over micro-batches of at most ``per_device_train_batch_size``
 rows (the forward/backward size).
@@ -29,9 +30,35 @@ from dataclasses import dataclass
 import torch
 
 
+def check_local_batch(per_device_train_batch_size: int, gradient_accumulation_steps: int, *,
+                      num_generations: int | None = None, num_mini_batches: int | None = None) -> None:
+    """Both rules on the per-process rollout batch ``per_device_train_batch_size * gradient_accumulation_steps``
+    (rows): ``num_generations`` divides it (a prompt's copies stay on one process), and ``num_mini_batches``
+    does (equal mini-batches). A rule whose number is None is not checked. Raises ``ValueError`` naming both.
+
+    >>> check_local_batch(4, 2, num_generations=4, num_mini_batches=2)  # 8 rows: both divide
+    """
+    local = per_device_train_batch_size * gradient_accumulation_steps
+    if num_generations is not None and local % num_generations:
+        raise ValueError(
+            f"PPOConfig.num_generations={num_generations} does not divide the per-process rollout batch "
+            f"per_device_train_batch_size * gradient_accumulation_steps = {per_device_train_batch_size} * "
+            f"{gradient_accumulation_steps} = {local}: the copies of a prompt stay on one process. Make "
+            f"the rollout batch a multiple of {num_generations}, or change num_generations."
+        )
+    if num_mini_batches is not None and local % num_mini_batches:
+        raise ValueError(
+            f"num_mini_batches={num_mini_batches} does not divide the per-process rollout batch "
+            f"per_device_train_batch_size * gradient_accumulation_steps = {per_device_train_batch_size} * "
+            f"{gradient_accumulation_steps} = {local}. Choose num_mini_batches among the "
+            f"divisors of {local}, or change the batch sizes."
+        )
+
+
 @dataclass(frozen=True)
 class BatchPlan:
-    """The sizes of one PPO run. All sizes count prompts (sequences), not tokens.
+    """The sizes of one PPO run. Sizes count rows (episodes: one sampled response each), not tokens;
+    ``prompts_per_batch`` and the dataset count prompts, each giving ``num_generations`` rows.
 
     Build with :meth:`from_config`; every field is derived there and never stored twice.
     """
@@ -42,22 +69,24 @@ class BatchPlan:
     num_ppo_epochs: int
     world_size: int
     total_episodes: int
+    num_generations: int = 1
 
     @classmethod
     def from_config(cls, args, world_size: int, dataset_len: int) -> "BatchPlan":
         """The plan for ``args`` (a ``PPOConfig``) on ``world_size`` processes.
 
-        ``total_episodes=None`` means ``num_train_epochs`` passes over ``dataset_len`` prompts
-        (TRL's rule). ``max_steps > 0`` (transformers' field, default -1) counts updates and wins
-        over both, as it wins over ``num_train_epochs`` in every transformers trainer:
-        ``total_episodes = max_steps * batch_size``. Raises ``ValueError`` naming the setting to
-        change when
-        ``num_mini_batches`` does not divide the per-process rollout batch, or when no
-        update would run.
+        ``dataset_len`` counts prompts. ``total_episodes=None`` means ``num_train_epochs`` passes over
+        them, each prompt ``num_generations`` episodes (TRL's rule, :meth:`episodes_per_epoch`).
+        ``max_steps > 0`` (transformers' field, default -1) counts updates and wins over both, as it
+        wins over ``num_train_epochs`` in every transformers trainer: ``total_episodes = max_steps *
+        batch_size``. Raises ``ValueError`` naming the setting to change when ``num_generations`` or
+        ``num_mini_batches`` does not divide the per-process rollout batch (:func:`check_local_batch`),
+        or when no update would run.
         """
+        num_generations = int(getattr(args, "num_generations", 1))
         total = args.total_episodes
         if total is None:
-            total = int(args.num_train_epochs * dataset_len)
+            total = int(args.num_train_epochs * (dataset_len * num_generations))
         plan = cls(
             per_device_train_batch_size=int(args.per_device_train_batch_size),
             gradient_accumulation_steps=int(args.gradient_accumulation_steps),
@@ -65,6 +94,7 @@ class BatchPlan:
             num_ppo_epochs=int(args.num_ppo_epochs),
             world_size=int(world_size),
             total_episodes=int(total),
+            num_generations=num_generations,
         )
         max_steps = int(getattr(args, "max_steps", -1) or -1)
         if max_steps > 0:
@@ -78,13 +108,8 @@ class BatchPlan:
             if getattr(self, name) < 1:
                 where = "the number of processes" if name == "world_size" else f"PPOConfig.{name}"
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}: set {where} to a positive integer.")
-        if self.local_batch_size % self.num_mini_batches:
-            raise ValueError(
-                f"num_mini_batches={self.num_mini_batches} does not divide the per-process rollout batch "
-                f"per_device_train_batch_size * gradient_accumulation_steps = {self.per_device_train_batch_size} * "
-                f"{self.gradient_accumulation_steps} = {self.local_batch_size}. Choose num_mini_batches among the "
-                f"divisors of {self.local_batch_size}, or change the batch sizes."
-            )
+        check_local_batch(self.per_device_train_batch_size, self.gradient_accumulation_steps,
+                          num_generations=self.num_generations, num_mini_batches=self.num_mini_batches)
         if self.total_episodes < 1:
             raise ValueError(
                 f"total_episodes={self.total_episodes} gives no update; set total_episodes >= batch_size "
@@ -94,13 +119,35 @@ class BatchPlan:
     # ------------------------------------------------------------------ derived sizes
     @property
     def local_batch_size(self) -> int:
-        """Prompts per process per update (the rollout batch of one process)."""
+        """Rows (episodes) per process per update (the rollout batch of one process)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
     def batch_size(self) -> int:
-        """Prompts per update over all processes (episodes per update)."""
+        """Rows (episodes) per update over all processes."""
         return self.local_batch_size * self.world_size
+
+    @property
+    def prompts_per_batch(self) -> int:
+        """Prompts per process per update: the dataloader's batch, each prompt sampled ``num_generations`` times.
+
+        >>> BatchPlan(4, 2, 1, 1, 1, 8, num_generations=4).prompts_per_batch
+        2
+        """
+        return self.local_batch_size // self.num_generations
+
+    def episodes_per_epoch(self, num_prompts: int) -> int:
+        """Episodes (rows) in one pass over ``num_prompts`` prompts: each sampled ``num_generations`` times."""
+        return num_prompts * self.num_generations
+
+    def check_dataset(self, num_prompts: int) -> None:
+        """A train dataset of ``num_prompts`` prompts fills at least one rollout batch (``drop_last``)."""
+        if num_prompts < self.prompts_per_batch:
+            raise ValueError(
+                f"`train_dataset` has {num_prompts} prompts, fewer than one rollout batch "
+                f"(per_device_train_batch_size * gradient_accumulation_steps / num_generations = "
+                f"{self.prompts_per_batch}). Add prompts or lower the batch size."
+            )
 
     @property
     def local_mini_batch_size(self) -> int:

@@ -25,6 +25,7 @@ from typing import Literal
 from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
 from .agents.arguments import ToolArguments
+from .batching import check_local_batch
 from .estimator_table import CRITIC_ONLY_FIELDS, ESTIMATORS, estimator, resolve_scale_rewards
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
@@ -477,14 +478,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         n = self.num_generations
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"PPOConfig.num_generations must be an int >= 1 (1: one sample per prompt), got {n!r}.")
-        local = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        if local % n:
-            raise ValueError(
-                f"PPOConfig.num_generations={n} does not divide the per-process rollout batch "
-                f"per_device_train_batch_size * gradient_accumulation_steps = {self.per_device_train_batch_size} * "
-                f"{self.gradient_accumulation_steps} = {local}: the copies of a prompt stay on one process. Make "
-                f"the rollout batch a multiple of {n}, or change num_generations."
-            )
+        check_local_batch(self.per_device_train_batch_size, self.gradient_accumulation_steps, num_generations=n)
         if estimator(self.advantage_estimator).needs_groups and n < 2:
             raise ValueError(
                 f"PPOConfig.advantage_estimator={self.advantage_estimator!r} compares the samples of a prompt with "

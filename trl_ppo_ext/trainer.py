@@ -52,13 +52,11 @@ from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed
 from .advantages import PPOTargets
 from .agents.tool_loop import ToolLoopStats
-from .batching import BatchPlan, micro_batch_rows, split_to_count
+from .batching import BatchPlan
 from .config import PPOConfig, as_ppo_config, mixed_precision
 from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths, repeat_prompts
 from .distributed import (
-    accumulation_step,
     configure_deepspeed,
-    needs_equal_micro_batch_counts,
     prepare_frozen_model,
     process_state,
 )
@@ -67,7 +65,6 @@ from .generation.base import check_engine_context, effective_temperature
 from .generation.filters import SamplingFilters
 from .generation.mismatch import sampling_weights
 from .generation.transformers_generate import configured_stop_token_id, generation_stop_ids
-from .gradients import clip_gradients, skip_scaler_step
 from .grpo_names import grpo_defaults_warning, grpo_metrics
 from .kl_control import build_kl_controller
 from .losses import loss_settings, ppo_loss
@@ -94,15 +91,14 @@ from .models.prepare import (
 from .models.quantization import is_4bit_model, make_4bit_cpu_safe
 from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
+from .rewards.batch import RewardReader, score_batch_rewards, text_scores
 from .rewards.building import build_run_rewards
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel
 from .rewards.scoring import (
     nonfinite_rewards,
     reward_function_kwargs,
-    rewards_per_token,
 )
-from .rewards.text import reward_model_texts, score_texts
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -111,10 +107,8 @@ from .rollout import (
     reference_response_logprobs,
     response_values,
     reward_model_scores,
-    row_extents,
     scored_rollout,
     sequence_inputs,
-    trimmed_together,
     valid_token_ids,
 )
 from .run import checkpointing as ckpt
@@ -126,6 +120,7 @@ from .run.state import RunCounters
 from .sampler import EpochSeededSampler
 from .sampling import PolicySnapshot, RolloutSampler, build_agent_rollout, vllm_policy_engine
 from .scoring_plan import plan_scoring
+from .update import FIRST_LOGPROBS, Stepper, mini_batch_step, plan_micro_batches, stack_stats
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +132,6 @@ CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance"
 # The hooks whose override may read a rollout's old log-probs otherwise than the update's first forward would give
 # them (a rollout of an older policy, a loss of its own): with one overridden, they are computed before the update
 SCORING_HOOKS = ("produce_rollout", "compute_loss_terms")
-# compute_loss_terms' statistic that carries the on-policy update's first log-probs (b, T) to the rollout
-FIRST_LOGPROBS = "_first_logprobs"
 
 
 @dataclass
@@ -227,8 +220,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.data_collator = data_collator or PromptCollator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.train_dataset_len = len(train_dataset)
-        # episodes (completions) per pass over the prompts: each prompt is sampled num_generations times
-        self.episodes_per_epoch = self.train_dataset_len * args.num_generations
 
         # a critic-free estimator: no value head, adapter or model anywhere (a value model given is dropped, warned)
         wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic,
@@ -276,7 +267,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self._setup_callbacks_and_state(callbacks)
         critic_warmup.check_supported(args, self.is_deepspeed_enabled)
-        self._critic_warming = False
         self._setup_dataloaders()
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
@@ -347,7 +337,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         # One optimizer step per mini-batch, counted by accelerate independently of any
         # dataloader: with `sync_with_dataloader` (the default) accelerate forces a step on every
         # micro-batch while the train loader sits on its last batch, i.e. at every epoch end.
-        plan = BatchPlan.from_config(args, process_state().num_processes, self.episodes_per_epoch)
+        plan = BatchPlan.from_config(args, process_state().num_processes, self.train_dataset_len)
+        self.episodes_per_epoch = plan.episodes_per_epoch(self.train_dataset_len)
         self.accelerator = Accelerator(
             cpu=bool(getattr(args, "use_cpu", False)),
             mixed_precision=mixed_precision(args),
@@ -359,16 +350,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             configure_deepspeed(self.accelerator, args, plan)  # the engine steps and clips as the plan says
         self.plan = plan
         plan.fill_config(args)
-        prompts_per_batch = plan.local_batch_size // args.num_generations  # each sampled num_generations times
-        if self.train_dataset_len < prompts_per_batch:
-            raise ValueError(
-                f"`train_dataset` has {self.train_dataset_len} prompts, fewer than one rollout batch "
-                f"(per_device_train_batch_size * gradient_accumulation_steps / num_generations = {prompts_per_batch}). "
-                "Add prompts or lower the batch size."
-            )
+        plan.check_dataset(self.train_dataset_len)
         self.local_seed = args.seed + self.accelerator.process_index * 100003
         self.sample_generations_freq = max(1, plan.num_total_batches // max(args.num_sample_generations, 1))
-        self.local_dataloader_batch_size = prompts_per_batch
+        self.local_dataloader_batch_size = plan.prompts_per_batch
 
     def _setup_callbacks_and_state(self, callbacks) -> None:
         # report_to backends see transformers' key convention (eval/... shown as eval/, not train/eval/)
@@ -566,11 +551,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         else:  # the update a preempted run stopped in: its rollout, continued where it stopped
             rollout, advantages = self._resumed_rollout()
         applied, skipped = self._applied_steps, self.counters.nonfinite_steps
-        self._critic_warming = warming = critic_warmup.warming(self.args, self.counters)
+        warming = critic_warmup.warming(self.args, self.counters)  # ppo_update reads the same
         update_stats, decision = self.ppo_update(rollout, advantages, update)
         if update_stats.get("loss") is not None and update_stats["loss"].numel():  # train()'s training_loss
             self._loss_total += float(update_stats["loss"].mean())
-        self._critic_warming = False
         all_skipped = self._applied_steps == applied and self.counters.nonfinite_steps > skipped
         metrics = self.update_metrics(rollout, advantages, update_stats)
         if self.args.critic_warmup_steps > 0:
@@ -780,53 +764,25 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     @torch.no_grad()
     def score_rewards_per_token(self, sample: SampledBatch, chunks: list | None = None):
-        """Every reward of ``self.rewards`` on a sampled batch: sequence scores and per-token rewards.
+        """Every reward of ``self.rewards`` on a sampled batch, once (``rewards.batch.score_batch_rewards``):
+        ``(scores (B,), values (B, F), applies (B, F), token_rewards (B, T) or None)``; models chunk by chunk
+        (``chunks``, made here when not given) through :meth:`reward_scores`, functions with
+        :meth:`reward_function_kwargs`."""
+        return score_batch_rewards(self.rewards, sample, chunks if chunks is not None else self.scoring_chunks(sample),
+                                   self._reward_reader(), chunk_scores=self.reward_scores,
+                                   function_kwargs=self.reward_function_kwargs, update=self.state.global_step + 1)
 
-        Models are read at the last valid token chunk by chunk (``chunks`` from
-        ``rollout.forward_chunks``, made here when not given), or through text when their
-        vocabulary is not the policy's (:meth:`reward_text_scores`); functions get the whole
-        batch at once and may return per completion a number, ``(token_index, reward)`` pairs
-        or one value per token (see ``trl_ppo_ext.rewards.scoring.evaluate_rewards_per_token``).
-
-        Returns:
-            ``(scores (B,) float32, values (B, F) float32, applies (B, F) bool, token_rewards
-            (B, T) float32 or None)``: ``token_rewards`` is the weighted sum of the token-level
-            functions (0 off ``response_mask``; zeros when none returned one), None in a run
-            without reward functions.
-        """
-        return rewards_per_token(self.rewards, functools.partial(self._model_reward_scores, sample, chunks),
-                                 lambda: self.reward_function_kwargs(sample), sample.response_mask,
-                                 self.state.global_step + 1, sample.action_mask)
-
-    def _model_reward_scores(self, sample: SampledBatch, chunks: list | None, reward, function_kwargs) -> torch.Tensor:
-        """Raw scores ``(B,)`` of one reward model on ``sample``: at the last valid token chunk by
-        chunk through :meth:`reward_scores`, or through text (:meth:`reward_text_scores`) when its
-        vocabulary is not the policy's; an offloaded model is on the device for the block."""
-        with self._frozen_on_device(reward.source, self.args.offload_reward_model):
-            if reward.tokenizer is not None:  # another vocabulary: through text (reward_text)
-                return self.reward_text_scores(reward, sample, function_kwargs())
-            if chunks is None:
-                chunks = self.scoring_chunks(sample)
-            # `reward_model` through the two-argument form, which subclasses may override as in TRL
-            extra = () if reward.source is self.reward_model else (reward.source,)
-            return chunks.merge([self.reward_scores(p, i, *extra) for p, i in chunks])
+    def _reward_reader(self) -> RewardReader:
+        """What ``rewards.batch`` reads of the run besides the batch."""
+        return RewardReader(self.processing_class, self.accelerator.device, self.accelerator.autocast,
+                            self.args.local_rollout_forward_batch_size, self.args.chat_template_kwargs,
+                            self.args.offload_reward_model and not self.is_deepspeed_enabled, self.reward_model)
 
     def reward_text_scores(self, reward, sample: SampledBatch, kwargs: dict | None = None) -> torch.Tensor:
-        """Raw scores ``(B,)`` of a reward model whose tokenizer is not the policy's
-        (``reward.tokenizer``): the RM's text rebuilt (conversational prompts: the prompt and the
-        episode's messages, or the decoded completion as one assistant message, in the RM's chat
-        template with ``chat_template_kwargs``; plain: the decoded text) and scored
-        ``local_rollout_forward_batch_size`` rows at a time
-        (``reward_text.reward_model_texts``, ``reward_text.score_texts``). ``kwargs``: the batch's
-        :meth:`reward_function_kwargs` when already built."""
-        kwargs = kwargs if kwargs is not None else self.reward_function_kwargs(sample)
-        # an episode's messages when known (tools, environments, a rollout_func's `completions`): the RM reads
-        # the conversation the episode was, in its own template, as TRL GRPO renders it
-        rendered = reward_model_texts(kwargs["prompts"], valid_token_ids(sample)[0], kwargs["completion_ids"],
-                                      self.processing_class, reward.tokenizer, completions=kwargs.get("completions"),
-                                      chat_template_kwargs=self.args.chat_template_kwargs)
-        return score_texts(reward.source, reward.tokenizer, rendered, self.args.local_rollout_forward_batch_size,
-                           device=self.accelerator.device, autocast=self.accelerator.autocast)
+        """Raw scores ``(B,)`` of a reward model with its own tokenizer (``rewards.batch.text_scores``);
+        ``kwargs``: the batch's :meth:`reward_function_kwargs` when already built."""
+        return text_scores(reward, sample, self.reward_function_kwargs(sample) if kwargs is None else kwargs,
+                           self._reward_reader())
 
     def reward_function_kwargs(self, rollout: SampledBatch) -> dict:
         """The keyword arguments of a reward function (TRL GRPO's convention): ``prompts``,
@@ -892,6 +848,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         stats = defaultdict(list, start.stats if start else {})
         decision = GuardDecision.keep_going({})
         slices = self.plan.mini_batch_slices()
+        stepper, warming = self._stepper(), critic_warmup.warming(self.args, self.counters)
         tokens_only = replace(rollout, extras={})  # the loss reads no dataset column: no host index per micro-batch
         # what a preempted checkpoint keeps: live environment objects cannot be saved (nor loaded weights_only);
         # the tool loop's counts of this rollout can, so the resumed update logs its tools/* figures
@@ -902,13 +859,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             resuming = start is not None and epoch == start.epoch and start.order is not None
             order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
             for index in range(start.mini_batch if resuming else 0, len(slices)):
-                decision = self._minibatch_step(tokens_only, adv, order[slices[index]], update, stats)
+                stepped = mini_batch_step(stepper, tokens_only, adv, order[slices[index]], stats,
+                                          loss_terms=self.compute_loss_terms, micro_batches=self.micro_batches,
+                                          warming=warming, update=update)
+                decision = self._count_step(stepped, update, warming)
                 if decision.halt:
-                    return _stack_stats(stats), decision
+                    return stack_stats(stats), decision
                 stop_if_preempted(saved, adv, (epoch, index), order, stats, num_ppo_epochs=self.plan.num_ppo_epochs,
                                   num_mini_batches=self.plan.num_mini_batches, rollout_age=self.counters.rollout_age,
                                   stop_agreed=lambda: self._sigterm.stop_agreed(self.accelerator))
-        return _stack_stats(stats), decision
+        return stack_stats(stats), decision
 
     def _resumed_rollout(self) -> tuple[Rollout, PPOTargets]:
         """The rollout and advantages of the update a preempted checkpoint stopped in."""
@@ -920,94 +880,28 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self.sampler.tool_stats = ToolLoopStats(**tool_stats)
         return Rollout(**{**inflight.rollout, "extras": extras}), PPOTargets(**inflight.advantages)
 
-    def _minibatch_step(self, rollout, adv, mini, update, stats) -> GuardDecision:
-        """Accumulate gradients over the mini-batch's micro-batches, then step once if finite.
-
-        Each micro-batch's loss is its token sum over the valid-token count of the whole
-        mini-batch on every process (or, by ``loss_type``, over its sequence count), so the
-        step's gradient is that of the mini-batch's loss however the mini-batch is cut into
-        micro-batches and processes -- which is why the micro-batches may be cut from
-        length-sorted rows or by a token budget (``micro_batches``), each trimmed to its own
-        extent. During a critic warm-up the policy's gradients are dropped
-        before clipping and the step.
-        """
-        accelerator = self.accelerator
-        # accelerate (or, under DeepSpeed, the engine: its gradient_accumulation_steps is set to
-        # the same number by `distributed.configure_deepspeed`) divides each backward by the
-        # accumulation steps, and DDP (ZeRO's reduce) averages over processes; both are undone
-        # so the sums below add up to the mini-batch token mean.
-        counts = torch.stack([rollout.loss_mask[mini].sum().float(),
-                              torch.tensor(float(mini.numel()), device=rollout.response_mask.device)])
-        if accelerator.num_processes > 1:
-            counts = accelerator.reduce(counts, reduction="sum")
-        num_tokens, num_sequences = counts[:1], counts[1:]
-        # only the loss types that divide by it get the sequence count: an override of the hook
-        # written for the token mean keeps its (mb, adv, num_tokens) signature
-        sequence_count = {} if self.args.loss_type == "dapo" else {"num_sequences": num_sequences}
-        loss_scale = self.plan.micro_batches_per_mini_batch * accelerator.num_processes
-        nonfinite_loss = torch.zeros((), device=accelerator.device)
-        decision = GuardDecision.keep_going({})
-        micro_batches = self.micro_batches(rollout, mini)
-        for i, micro in enumerate(micro_batches):
-            with accumulation_step(accelerator, self.model, last=i == len(micro_batches) - 1):
-                mb, mb_adv = rollout.select(micro), adv.select(micro)
-                if self.args.trim_forwards:  # the micro-batch's own extent
-                    mb, mb_adv = trimmed_together(mb, mb_adv)
-                loss, micro_stats = self.compute_loss_terms(mb, mb_adv, num_tokens, **sequence_count)
-                first = micro_stats.pop(FIRST_LOGPROBS, None)
-                if first is not None:  # on-policy: the rollout's pi_old is the update's first forward (scoring_plan)
-                    rollout.logprobs[micro, : first.shape[1]] = first
-                nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
-                accelerator.backward(loss * loss_scale)
-                if accelerator.sync_gradients:
-                    if self._critic_warming:
-                        critic_warmup.drop_policy_gradients(self.unwrapped)
-                    grad_norm = clip_gradients(accelerator, self.model, self.args.max_grad_norm,
-                                               self.is_deepspeed_enabled)
-                    micro_stats["grad_norm"] = grad_norm
-                    decision = self._step_if_finite(grad_norm, nonfinite_loss, update)
-            for k, v in micro_stats.items():
-                stats[k].append(v)
-        return decision
-
     def micro_batches(self, rollout: Rollout, mini: torch.Tensor) -> list[torch.Tensor]:
-        """The rollout rows of each micro-batch of the mini-batch ``mini`` (``(n,)`` long rows):
-        ``batching.micro_batch_rows`` by length or by ``max_tokens_per_micro_batch``; under ZeRO or
-        FSDP every process then runs the largest count of any process (they communicate in
-        every backward), under DDP each its own."""
-        args = self.args
-        rows = micro_batch_rows(*row_extents(rollout.query_mask[mini], rollout.response_mask[mini]),
-                                self.plan.micro_batch_slices(), group_by_length=args.group_by_length_in_batches,
-                                max_tokens=args.max_tokens_per_micro_batch)
-        if args.max_tokens_per_micro_batch is not None and needs_equal_micro_batch_counts(self.accelerator):
-            count = self.accelerator.gather(torch.tensor([len(rows)], device=self.accelerator.device)).max()
-            rows = split_to_count(rows, int(count))
-        return [mini[r] for r in rows]
+        """The rows ``(b_i,)`` of each micro-batch of the mini-batch ``mini`` (``update.plan_micro_batches``)."""
+        return plan_micro_batches(rollout, mini, self.plan, self.accelerator,
+                                  group_by_length=self.args.group_by_length_in_batches,
+                                  max_tokens=self.args.max_tokens_per_micro_batch)
 
-    def _step_if_finite(self, grad_norm, nonfinite_loss, update: int) -> GuardDecision:
-        """The optimizer step, unless any process saw a NaN/inf loss or gradient norm.
+    def _stepper(self) -> Stepper:
+        """What this update's optimizer steps act on (read now: a test or callback may swap the optimizer)."""
+        return Stepper(self.accelerator, self.model, self.unwrapped, self.optimizer, self.plan, self.args.loss_type,
+                       self.args.trim_forwards, self.args.max_grad_norm, self.is_deepspeed_enabled)
 
-        One scalar crosses to the host per optimizer step (the guard needs the answer).
-        Under DeepSpeed the engine has already stepped inside ``backward`` (``step``/``zero_grad``
-        below are no-ops there); it skips a step itself when the gradient norm is not finite.
-        """
-        bad = torch.maximum(nonfinite_loss, (~torch.isfinite(grad_norm)).float()).reshape(1)
-        bad = self.accelerator.reduce(bad, reduction="sum") if self.accelerator.num_processes > 1 else bad
-        if bad.item() > 0:
-            if self.is_deepspeed_enabled and not self.optimizer.step_was_skipped:
-                logger.warning("Update %d: DeepSpeed applied a step whose loss was not finite (its gradients "
-                               "were finite); it is counted as skipped.", update)
-            if not self.is_deepspeed_enabled:  # the engine keeps its own loss scale
-                skip_scaler_step(getattr(self.accelerator, "scaler", None), self.optimizer)
-            self.optimizer.zero_grad()  # no parameter (nor optimizer moment) may change
+    def _count_step(self, stepped: bool | None, update: int, warming: bool) -> GuardDecision:
+        """The guards' and the trainer's record of one mini-batch's step (``update.mini_batch_step``)."""
+        if stepped is None:
+            return GuardDecision.keep_going({})
+        if not stepped:
             cause = self._nonfinite_cause
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient%s.", update,
                            f" ({cause})" if cause else "")
             return self.guards.nonfinite_step(update, cause)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
         self._applied_steps += 1
-        if not self._critic_warming:  # the policy moved: the update ending now is its version
+        if not warming:  # the policy moved: the update ending now is its version
             self._policy_version = self.state.global_step + 1
         self.guards.finite_step()
         return GuardDecision.keep_going({})
@@ -1047,7 +941,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             **settings,
         )
         if not self.scoring.old_logprobs:
-            stats[FIRST_LOGPROBS] = old_logprobs  # for the rollout's metrics (see _minibatch_step)
+            stats[FIRST_LOGPROBS] = old_logprobs  # for the rollout's metrics (see update.mini_batch_step)
         return loss, stats
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
@@ -1232,8 +1126,3 @@ def seed_construction(args) -> None:
     critic's new value head, a LoRA adapter's first weights, a model loaded from a name -- is the
     same for one seed whatever the script drew before."""
     (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
-
-
-def _stack_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-micro-batch scalars -> one ``(n,)`` tensor per statistic."""
-    return {k: torch.stack([v.float().reshape(()) for v in vs]) for k, vs in stats.items()}
