@@ -69,9 +69,9 @@ def _trainer(server, tmp_path, **overrides):
     url, process, root = server
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0, **VLLM_SHAPES), lora_config=LORA)
-    args = tiny_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                       vllm_server_timeout=STARTUP_SECONDS, total_episodes=8, temperature=1.0, learning_rate=1e-2,
-                       **overrides)
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=STARTUP_SECONDS,
+                    total_episodes=8, temperature=1.0, learning_rate=1e-2)
+    args = tiny_config(tmp_path, **{**settings, **overrides})
     if process.poll() is not None:
         pytest.fail(f"the server exited ({process.poll()}):\n{(root / 'server.log').read_text()[-3000:]}")
     try:
@@ -108,3 +108,33 @@ def test_a_cpu_trainer_trains_a_lora_policy_through_the_server_with_adapter_file
     moved = max((v - before[k]).abs().max().item() for k, v in _policy_params(trainer).items())
     assert moved > 1e-4, "the policy did not move"
     assert trainer.engine is None  # train() closed it (its adapter versions unloaded, its files deleted)
+
+
+def _trainer_samples_ahead() -> bool:
+    """Whether ``PPOTrainer.produce_rollout`` hands rollouts to ``RolloutSampler.next_sample`` (the
+    trainer's side of ``max_staleness``; until it does, the asynchronous run below is skipped)."""
+    import inspect
+
+    from trl_ppo_ext import PPOTrainer
+
+    return "next_sample" in inspect.getsource(PPOTrainer.produce_rollout)
+
+
+@pytest.mark.skipif(not vllm_installed() or not _trainer_samples_ahead(),
+                    reason="needs vLLM and the trainer's max_staleness wiring")
+def test_an_asynchronous_run_trains_batches_at_most_max_staleness_versions_old(server, tmp_path):
+    trainer = _trainer(server, tmp_path, max_staleness=1, total_episodes=12, off_policy_correction="decoupled",
+                       vllm_importance_sampling_correction=False)
+    before = _policy_params(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 3
+    # batch 0 is sampled by the starting weights; batch k >= 1 by the weights of update k - 1: one version old
+    assert [h["async/staleness"] for h in logs] == [0.0, 1.0, 1.0] == [h["policy/lag"] for h in logs]
+    assert logs[0]["sampling/sampling_logp_difference/max"] < LOGP_BOUND  # staleness 0: the trainer's weights
+    assert all(0 <= h["off_policy/capped_frac"] <= 1 for h in logs)
+    print("async: logp gap per update", [h["off_policy/logp_gap_mean"] for h in logs],
+          "waited for rollouts", [round(h["async/wait_for_rollout_s"], 3) for h in logs])
+    moved = max((v - before[k]).abs().max().item() for k, v in _policy_params(trainer).items())
+    assert moved > 1e-4, "the policy did not move"
+    assert trainer.engine is None and trainer.sampler._producer is None  # train() stopped the thread
