@@ -128,3 +128,40 @@ def test_bad_arguments_are_named():
         off_policy_ppo_loss(PROX, torch.zeros(1, 3, 4), torch.zeros(1, 3), proximal_logprobs=PROX,
                             behaviour_logprobs=BEHAV, correction="tis", cap=2.0, old_logprobs=PROX,
                             **_loss_kwargs(MASK, torch.zeros(1, 3)))
+
+
+@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+def test_the_trainers_loss_with_the_mismatch_weights_is_the_off_policy_loss(correction):
+    # the trainer calls ppo_loss(old_logprobs=pi_prox, pg_weights=generation.mismatch.sampling_weights(...)):
+    # with off_policy_correction set those weights are the behaviour weights, so its loss and gradients are
+    # off_policy_ppo_loss's on a stale batch (behaviour != proximal, some weights above the cap)
+    from types import SimpleNamespace
+
+    from trl_ppo_ext.generation.mismatch import sampling_weights
+
+    gen = torch.Generator().manual_seed(1)
+    B, T, V = 3, 5, 7
+    mask = torch.rand(B, T, generator=gen) > 0.3
+    prox = -torch.rand(B, T, generator=gen) * 3
+    behav = prox - torch.randn(B, T, generator=gen)  # weights exp(+-1): about a sixth above a cap of 2
+    kwargs = dict(old_values=torch.randn(B, T, generator=gen), advantages=torch.randn(B, T, generator=gen),
+                  returns=torch.randn(B, T, generator=gen), response_mask=mask, cliprange=0.2, cliprange_value=0.2,
+                  vf_coef=0.1, entropy_coef=0.01)
+    base = (prox + 0.3 * torch.randn(B, T, generator=gen), torch.randn(B, T, V, generator=gen),
+            torch.randn(B, T, generator=gen))
+    args = SimpleNamespace(off_policy_correction=correction, off_policy_cap=2.0,
+                           vllm_importance_sampling_correction=False)
+
+    def run(fn, **extra):
+        new, logits, values = (t.clone().requires_grad_() for t in base)
+        loss, _ = fn(new, logits, values, **extra, **kwargs)
+        loss.backward()
+        return loss, (new.grad, logits.grad, values.grad)
+
+    weights = sampling_weights(prox, behav, mask, args)
+    assert (weights[mask] != 1).any() and (behaviour_weights(prox, behav, mask, correction=correction, cap=2.0)
+                                           .equal(weights))
+    ref_loss, ref_grads = run(off_policy_ppo_loss, proximal_logprobs=prox, behaviour_logprobs=behav,
+                              correction=correction, cap=2.0)
+    loss, grads = run(ppo_loss, old_logprobs=prox, pg_weights=weights)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))

@@ -58,6 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["ASYNC_KEYS", "PromptFeed", "ReadAheadPrompts", "RolloutProducer", "RolloutProducerError", "VersionedBatch"]
+
 ASYNC_KEYS = ("async/staleness", "async/wait_for_rollout_s", "async/wait_for_weights_s", "async/dropped_stale",
               "async/queued")
 
@@ -267,3 +269,85 @@ class RolloutProducer:
                 self._queue.append(VersionedBatch(batch, index, version, 0, time.monotonic() - start))
                 self._next = index + 1
                 self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class PromptFeed:
+    """Where a producer reads prompt batches ahead of the trainer: the trainer's own data stream.
+
+    ``restart()`` returns a new iterator of batches that starts at ``cursor``'s position
+    (``cursor.epoch``, ``cursor.batches``; the trainer's ``RunCounters``) and moves that cursor as it
+    goes (the trainer's ``_repeat_dataloader``); ``prepare`` turns each batch into what is sampled
+    (the trainer's ``repeated_prompts``)."""
+
+    restart: Callable[[], Any]
+    cursor: Any
+    prepare: Callable[[Any], Any]
+
+
+class ReadAheadPrompts:
+    """Prompt batches by index, read ahead of the trainer, while the trainer's data cursor stays at
+    the batch it trains next (what a synchronous run's cursor says at the same update), so that a
+    checkpoint saved at any moment records the trainer's position, never the producer's.
+
+    Reads happen on the trainer's thread (:meth:`fill`, the iterator moving its own cursor copy);
+    the producer's thread only looks batches up (:meth:`batch`). After a checkpoint the batches
+    still ahead are the same prompts whichever run reads them: the data order depends on the
+    cursor alone.
+
+    Example (a stream of the numbers 0, 1, 2, ... with its cursor):
+
+    >>> from types import SimpleNamespace
+    >>> cursor = SimpleNamespace(epoch=0, batches=0)
+    >>> def stream():
+    ...     while True:
+    ...         cursor.batches += 1
+    ...         yield cursor.batches - 1
+    >>> prompts = ReadAheadPrompts(PromptFeed(stream, cursor, lambda b: f"prompts {b}"), first_index=0)
+    >>> prompts.fill(upto=2)                        # batches 0, 1 and 2 read ahead
+    >>> prompts.batch(2), cursor.batches            # the trainer's cursor has not moved
+    ('prompts 2', 0)
+    >>> prompts.taken(0); cursor.batches            # the trainer trains batch 0: its cursor moves past it
+    1
+    """
+
+    def __init__(self, feed: PromptFeed, first_index: int):
+        self.feed = feed
+        self._lock = threading.Lock()
+        self._iterator = None
+        self._batches: dict[int, Any] = {}
+        self._after: dict[int, tuple[int, int]] = {}  # index -> the cursor once that batch was read
+        self._next = first_index
+        self._read_cursor = (feed.cursor.epoch, feed.cursor.batches)
+
+    def fill(self, upto: int) -> None:
+        """Read the batches up to index ``upto`` not read yet (the trainer's thread)."""
+        cursor = self.feed.cursor
+        trainer_position = (cursor.epoch, cursor.batches)
+        cursor.epoch, cursor.batches = self._read_cursor
+        try:
+            if self._iterator is None:
+                self._iterator = self.feed.restart()
+            while self._next <= upto:
+                batch = self.feed.prepare(next(self._iterator))
+                with self._lock:
+                    self._batches[self._next] = batch
+                    self._after[self._next] = (cursor.epoch, cursor.batches)
+                self._next += 1
+            self._read_cursor = (cursor.epoch, cursor.batches)
+        finally:
+            cursor.epoch, cursor.batches = trainer_position
+
+    def batch(self, index: int) -> Any:
+        """Batch ``index`` (read by :meth:`fill` before; any thread)."""
+        with self._lock:
+            if index not in self._batches:
+                raise KeyError(f"prompt batch {index} was not read ahead (read up to {self._next - 1}).")
+            return self._batches[index]
+
+    def taken(self, index: int) -> None:
+        """The trainer trains batch ``index`` now: its cursor moves past it; older batches are forgotten."""
+        with self._lock:
+            self.feed.cursor.epoch, self.feed.cursor.batches = self._after[index]
+            for old in [i for i in self._batches if i <= index]:
+                del self._batches[old], self._after[old]

@@ -30,7 +30,9 @@ from .estimator_table import CRITIC_ONLY_FIELDS, ESTIMATORS, estimator, resolve_
 from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
+from .generation.server_weights import SERVER_WEIGHT_SYNC_CHOICES
 from .grpo_names import GRPOFields, refuse_foreign_names
+from .off_policy import OFF_POLICY_CORRECTIONS
 from .run.guards import GuardSettings
 from .run.preemption import ON_SIGTERM_CHOICES
 
@@ -156,6 +158,36 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             TRL GRPO's values, read by ``advantage_estimator="grpo"`` only: ``"group"`` (or
             True) divides by the group's std, ``"batch"`` by the whole batch's, ``"none"`` (or
             False) not at all (Dr. GRPO); 1e-4 is added to the std, as in TRL.
+        max_staleness (`int`, defaults to `0`):
+            TRL ``AsyncGRPOConfig``'s name and meaning: a rollout sampled more than this many
+            policy versions (updates) before the one it is trained with is never trained on.
+            ``0``: the synchronous loop, sample then update, exactly as without this field. Above
+            0 the rollout sampler samples the next batches in a background thread while the
+            trainer updates (``sampling.RolloutSampler.next_sample``, docs/async.md); this needs
+            ``use_vllm=True, vllm_mode="server"``: only an engine in its own process samples from
+            a copy of the weights that the update running beside it does not touch.
+        off_policy_correction (`str`, defaults to `"none"`):
+            How the gap between the policy that sampled a batch (the engine's log-probs) and the
+            proximal policy (the trainer's log-probs of the current weights, recomputed when the
+            batch is trained) is corrected, per token (``trl_ppo_ext.off_policy``):
+            ``"decoupled"`` (AReaL: weights above ``off_policy_cap`` leave their token out),
+            ``"tis"`` (truncated at ``off_policy_cap``) or ``"none"``. It replaces
+            ``vllm_importance_sampling_correction`` (the same ratio), which must then be False.
+        off_policy_cap (`float`, defaults to `3.0`):
+            The bound ``C >= 1`` on ``pi_prox / pi_behav`` of ``off_policy_correction`` (AReaL's
+            ``behav_imp_weight_cap``; 3.0 is TRL's ``vllm_importance_sampling_clip_max`` for the
+            same ratio).
+        vllm_server_weight_sync (`str`, defaults to `"auto"`):
+            How the policy's weights reach a vLLM server (``vllm_mode="server"``): ``"nccl"``
+            (TRL's weight-transfer engine; needs CUDA on the trainer), ``"adapter"`` (the LoRA
+            adapter as files the server loads as a new adapter per version) or ``"files"`` (every
+            weight in a safetensors file the server reloads in place). ``"auto"``: NCCL where
+            CUDA is and ``max_staleness=0``, else the adapter for a LoRA policy vLLM accepts,
+            else files (``generation.server_weights.choose_server_weight_sync``).
+        vllm_server_weight_dir (`str` or `None`, defaults to `None`):
+            The folder the ``"adapter"`` / ``"files"`` weight sync writes to, seen by the server
+            under the same path (a shared mount for a server on another machine). None: a new
+            temporary folder (a server on this machine).
     """
 
     entropy_coef: float = field(
@@ -326,6 +358,37 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             "by the group's std, 'batch' by the batch's std, 'none' (or False) does not scale (Dr. GRPO)."},
     )
 
+    max_staleness: int = field(
+        default=0,
+        metadata={"help": "TRL AsyncGRPO's name and meaning: a rollout sampled more than this many policy versions "
+            "before the update that trains it is never trained on. 0 (default): sample, then update, as always. "
+            "Above 0 the next batches are sampled in the background while the trainer updates; needs "
+            "use_vllm=True with vllm_mode='server' (an engine in its own process). See docs/async.md."},
+    )
+    off_policy_correction: Literal["none", "tis", "decoupled"] = field(
+        default="none",
+        metadata={"help": "Correct the gap between the sampling policy (the engine's log-probs) and the proximal "
+            "policy (recomputed at train time) per token: 'decoupled' (AReaL: tokens whose weight exceeds "
+            "off_policy_cap are left out), 'tis' (weights truncated at off_policy_cap) or 'none'. Replaces "
+            "vllm_importance_sampling_correction, which must then be False."},
+    )
+    off_policy_cap: float = field(
+        default=3.0,
+        metadata={"help": "The cap C >= 1 on pi_prox / pi_behav of off_policy_correction (AReaL's "
+            "behav_imp_weight_cap)."},
+    )
+    vllm_server_weight_sync: Literal["auto", "nccl", "adapter", "files"] = field(
+        default="auto",
+        metadata={"help": "How weights reach a vLLM server: 'nccl' (needs CUDA), 'adapter' (LoRA adapter files "
+            "loaded per version), 'files' (all weights in a safetensors file reloaded in place) or 'auto' (NCCL "
+            "with CUDA and max_staleness=0, else adapter for a LoRA policy vLLM accepts, else files)."},
+    )
+    vllm_server_weight_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where the 'adapter'/'files' weight sync writes, seen by the server under the same path. "
+            "None: a temporary folder (a server on this machine)."},
+    )
+
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
         return GuardSettings(**{f.name: getattr(self, f.name) for f in fields(GuardSettings)})
@@ -344,6 +407,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         self._check_ppo_fields()
         self._check_recipe_fields()
         self._check_estimator_fields()
+        self._check_async_fields()
         if self.use_vllm:
             self._check_vllm_run()  # values the user must change come before the install hint below
         VLLMArguments.__post_init__(self)  # field checks; use_vllm without vLLM: ImportError naming the extra
@@ -361,11 +425,12 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             )
         import torch
 
-        if self.vllm_mode == "server" and not torch.cuda.is_available():
+        if self.vllm_mode == "server" and self.vllm_server_weight_sync == "nccl" and not torch.cuda.is_available():
             raise ValueError(
-                "PPOConfig.vllm_mode='server' with use_vllm=True needs CUDA on the trainer: the policy's weights "
-                "reach the server over NCCL after every update, and this machine has no CUDA device. Use "
-                "vllm_mode='colocate' (an engine inside this process; works on a CPU), or use_vllm=False."
+                "PPOConfig.vllm_mode='server' with use_vllm=True and vllm_server_weight_sync='nccl' needs CUDA on the "
+                "trainer: the policy's weights reach the server over NCCL after every update, and this machine has "
+                "no CUDA device. Use vllm_server_weight_sync='auto' (adapter or weight files the server reads), or "
+                "vllm_mode='colocate' (an engine inside this process; works on a CPU)."
             )
 
     def _check_ppo_fields(self) -> None:
@@ -413,6 +478,54 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 f"PPOConfig: adaptive_kl needs kl_target > 0 and kl_horizon > 0, got kl_target={self.kl_target}, "
                 f"kl_horizon={self.kl_horizon}."
             )
+
+    def _check_async_fields(self) -> None:
+        """``max_staleness``, the off-policy correction and the server weight sync (docs/async.md)."""
+        staleness = self.max_staleness
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"PPOConfig.max_staleness must be an int >= 0 (0: synchronous rollouts), got "
+                             f"{staleness!r}.")
+        if self.vllm_server_weight_sync not in SERVER_WEIGHT_SYNC_CHOICES:
+            raise ValueError(f"PPOConfig.vllm_server_weight_sync must be one of "
+                             f"{list(SERVER_WEIGHT_SYNC_CHOICES)}, got {self.vllm_server_weight_sync!r}.")
+        if staleness > 0 and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                f"PPOConfig.max_staleness={staleness} samples the next rollouts while the trainer updates, which needs "
+                "an engine in its own process holding its own copy of the weights: set use_vllm=True and "
+                f"vllm_mode='server' (got use_vllm={self.use_vllm}, vllm_mode={self.vllm_mode!r}), or max_staleness=0. "
+                "A colocated engine or transformers' generate would sample from the weights being updated."
+            )
+        if staleness > 0 and self.vllm_server_weight_sync == "nccl":
+            raise ValueError(
+                f"PPOConfig.max_staleness={staleness} with vllm_server_weight_sync='nccl': the asynchronous sampler "
+                "stages each version's weights on the trainer's thread and switches to them on its own, which the "
+                "adapter and files syncs do. Use vllm_server_weight_sync='auto', 'adapter' or 'files'."
+            )
+        if staleness > 0 and self.max_rollout_age is not None and self.max_rollout_age < staleness:
+            raise ValueError(
+                f"PPOConfig.max_rollout_age={self.max_rollout_age} is below max_staleness={staleness}: the "
+                "asynchronous sampler hands out rollouts up to max_staleness updates old, which the trainer would "
+                "discard. Set max_rollout_age=None (max_staleness bounds the age) or >= max_staleness."
+            )
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(f"PPOConfig.off_policy_correction must be one of {list(OFF_POLICY_CORRECTIONS)}, got "
+                             f"{self.off_policy_correction!r}.")
+        if self.off_policy_correction != "none":
+            if not 1.0 <= self.off_policy_cap < math.inf:  # nan fails too
+                raise ValueError(f"PPOConfig.off_policy_cap must be a finite number >= 1, got {self.off_policy_cap}.")
+            if not self.use_vllm:
+                raise ValueError(
+                    f"PPOConfig.off_policy_correction={self.off_policy_correction!r} weights tokens by pi_prox / "
+                    "pi_behav, with pi_behav the engine's log-probs: it needs use_vllm=True (transformers' generate "
+                    "samples from the policy itself). Set off_policy_correction='none'."
+                )
+            if self.vllm_importance_sampling_correction:
+                raise ValueError(
+                    f"PPOConfig.off_policy_correction={self.off_policy_correction!r} and "
+                    "vllm_importance_sampling_correction=True both weight the policy loss by pi_prox / pi_engine; "
+                    "only one may apply. Set vllm_importance_sampling_correction=False to use "
+                    "off_policy_correction, or off_policy_correction='none' to keep TRL's correction."
+                )
 
     def _read_recipe_values(self) -> None:
         """The critic-recipe fields and ``max_rollout_age`` as the command line gives them (text)

@@ -16,11 +16,16 @@ What it samples with is passed in: a :class:`PolicySnapshot` (the trainer's mode
 batch belongs to and the version of its weights) and the temperature. ``rollout.py`` then scores
 the batch (``SampledBatch -> Rollout``).
 
-Asynchronous rollouts: ``sample`` is the one call the trainer makes per rollout, and every batch
-carries the ``policy_version`` it was sampled at (the trainer discards one older than
-``max_rollout_age``). A sampler that samples the next batch while the trainer updates keeps that
-interface: it starts ``sample`` for the next prompts in the background with the snapshot of that
-moment and returns the finished batch at the next call.
+Asynchronous rollouts (``max_staleness > 0``, docs/async.md): :meth:`RolloutSampler.next_sample`
+replaces ``sample`` as the trainer's one call per rollout. A ``RolloutProducer`` samples the next
+batches on the vLLM server in a background thread, reading prompts ahead through a
+``PromptFeed`` (the trainer's data cursor stays at the batch it trains next); each batch carries
+the ``policy_version`` that sampled it (never more than ``max_staleness`` behind).
+:meth:`RolloutSampler.end_update` stages the new weights after each update and announces them
+(at a checkpoint it also discards the batches in flight, which are sampled again from the saved
+weights: exact resume needs nothing saved but the step); :meth:`RolloutSampler.async_metrics` gives
+the ``async/*`` (and ``off_policy/*``) figures. Request seeds come from the batch's index, not the
+run's RNG, which the trainer's thread draws from meanwhile.
 
 Notation: ``B`` prompts, ``P`` prompt positions (left padded), ``T`` response positions.
 
@@ -38,6 +43,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -47,17 +54,19 @@ from torch import nn
 
 from ._compat import unwrap_model_for_generation
 from .agents.tool_loop import ToolLoopStats
+from .async_rollouts import PromptFeed, ReadAheadPrompts, RolloutProducer, VersionedBatch
 from .data import PromptCollator
 from .episodes import continuation_rows, episode_has_stop, pad_episodes, padded_prompts, rollout_outputs
-from .generation import SamplingSettings, build_vllm_engine
+from .generation import SamplingSettings, build_vllm_engine, sample_responses
 from .generation.base import VLLM_MIN_TEMPERATURE, GenerationEngine, effective_temperature
 from .generation.filters import SamplingFilters
 from .generation.transformers_generate import TransformersEngine
 from .models.prepare import embedding_rows
+from .off_policy import behaviour_weights, off_policy_stats
 from .rollout import SampledBatch, finalize_responses, left_pad, reference_response_logprobs, sequence_inputs
 
-__all__ = ["PolicySnapshot", "RolloutSampler", "TurnSettings", "build_agent_rollout", "prompt_tensors",
-           "vllm_policy_engine"]
+__all__ = ["PolicySnapshot", "PromptFeed", "RolloutSampler", "TurnSettings", "ahead_seed", "build_agent_rollout",
+           "prompt_tensors", "vllm_policy_engine"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,13 @@ class RolloutSampler:
         # and calls its generate_continuations(prefixes, max_new_tokens): those calls find the episode's policy,
         # temperature and log-prob mode here. The tool loop gets them bound as arguments instead.
         self._episode: TurnSettings | None = None
+        # max_staleness > 0: the producer thread, the prompts it reads ahead, the newest published version,
+        # the batch handed out last; the lock keeps one engine request stream at a time (producer or trainer)
+        self._producer: RolloutProducer | None = None
+        self._prompts: ReadAheadPrompts | None = None
+        self._published = 0
+        self._last: VersionedBatch | None = None
+        self._engine_lock = threading.Lock()
 
     # ------------------------------------------------------------------ whole batches
     @torch.no_grad()
@@ -242,6 +258,118 @@ class RolloutSampler:
             response_mask=response_mask, action_mask=action_mask,
             has_stop=episode_has_stop(responses, action_mask, self.stop_token_ids),
             policy_version=policy.version, engine_logprobs=engine_logprobs, extras={**extras, **outputs.extra},
+        )
+
+    # ------------------------------------------------------------------ asynchronous rollouts
+    def next_sample(self, feed: PromptFeed, policy: PolicySnapshot) -> SampledBatch:
+        """The batch the trainer trains next, sampled ahead in the background (``max_staleness > 0``).
+
+        The first call stages ``policy``'s weights as version ``policy.version`` (the global step)
+        and starts the producer; every call reads prompts up to ``max_staleness`` batches ahead of
+        this one from ``feed`` (on this thread) and waits for this batch. Batch ``i`` (counted in
+        updates from the run's start, so a resumed run continues the numbering) is sampled at
+        version ``max(v0, i - max_staleness)``; its ``policy_version`` says which.
+
+        Raises:
+            NotImplementedError: a ``rollout_func`` or tools (their turns call back into the
+                trainer), several processes, or an engine without a staged file push.
+        """
+        if self._producer is None:
+            self._start_producer(feed, policy)
+        index = self._producer_taken
+        self._prompts.fill(upto=index + self.args.max_staleness)
+        item = self._producer.get()
+        self._prompts.taken(item.index)
+        self._producer_taken, self._last = item.index + 1, item
+        return _on_device(item.batch, self.accelerator.device)
+
+    def end_update(self, policy: PolicySnapshot, *, checkpoint: bool = False) -> None:
+        """After an update: stage ``policy``'s weights as version ``policy.version`` and announce
+        them, then release the versions no batch will ask for. ``checkpoint``: a checkpoint of this
+        step is about to be written: the batches sampled ahead are discarded and sampled again
+        from these weights, which is what a run resumed from it does. No-op when synchronous."""
+        if self._producer is None:
+            return
+        with self._generating(policy.model) as module:
+            self.engine.stage_policy(module, policy.version)
+        self._published = policy.version
+        self._producer.publish(policy.version)
+        self.engine.release_below(self._producer.needed_version())
+        if checkpoint:
+            self._producer.checkpoint()
+
+    def async_state(self) -> dict[str, int]:
+        """What a resumed sampler starts from: ``{"next_index", "version"}``. At a checkpoint
+        written after :meth:`end_update` both equal the trainer's global step, which the trainer
+        saves anyway, so nothing more is saved; empty when synchronous."""
+        if self._producer is None:
+            return {}
+        return {"next_index": self._producer_taken, "version": self._published}
+
+    def async_metrics(self, rollout=None) -> dict[str, float]:
+        """The ``async/*`` figures of the batch handed out last (``RolloutProducer.metrics``) and,
+        with ``off_policy_correction``, the ``off_policy/*`` figures of ``rollout`` (its proximal
+        log-probs ``logprobs`` against the engine's); empty when synchronous."""
+        if self._producer is None:
+            return {}
+        metrics = dict(self._producer.metrics())
+        correction = self.args.off_policy_correction
+        if rollout is not None and correction != "none" and rollout.engine_logprobs is not None:
+            weights = behaviour_weights(rollout.logprobs, rollout.engine_logprobs, rollout.loss_mask,
+                                        correction=correction, cap=self.args.off_policy_cap)
+            stats = off_policy_stats(rollout.logprobs, rollout.engine_logprobs, rollout.loss_mask, weights,
+                                     cap=self.args.off_policy_cap, staleness=self._last.staleness)
+            metrics.update({k: float(v) for k, v in stats.items()})
+        return metrics
+
+    def _start_producer(self, feed: PromptFeed, policy: PolicySnapshot) -> None:
+        if self.rollout_func is not None or self.agent_rollout is not None:
+            raise NotImplementedError(
+                f"max_staleness={self.args.max_staleness} samples single-turn batches on the vLLM server; a "
+                "rollout_func, tools or an environment_factory sample their turns through the trainer, which the "
+                "background thread does not call. Use max_staleness=0 for episodes with turns."
+            )
+        if self.accelerator.num_processes > 1:
+            raise NotImplementedError(
+                f"max_staleness={self.args.max_staleness} runs in one process for now (got "
+                f"{self.accelerator.num_processes}): each process would push its own versions to the one server. "
+                "Use max_staleness=0 with several processes."
+            )
+        if self.engine is None:
+            self.engine = self.engine_factory()
+        if not hasattr(self.engine, "stage_policy"):
+            raise NotImplementedError(
+                f"max_staleness={self.args.max_staleness} needs an engine that stages versions "
+                f"(server_weights.VLLMServerFileEngine), got {type(self.engine).__name__}; set "
+                "vllm_server_weight_sync='adapter' or 'files'."
+            )
+        with self._generating(policy.model) as module:
+            self.engine.stage_policy(module, policy.version)
+        self._published = self._producer_taken = policy.version
+        self._prompts = ReadAheadPrompts(feed, first_index=policy.version)
+        self._prompts.fill(upto=policy.version + self.args.max_staleness)  # before the thread asks for them
+        self._producer = RolloutProducer(self._sample_ahead, max_staleness=self.args.max_staleness,
+                                         next_index=policy.version, version=policy.version)
+
+    @torch.no_grad()
+    def _sample_ahead(self, version: int, index: int) -> SampledBatch:
+        """Batch ``index`` sampled at policy ``version`` on the engine (the producer's thread): a
+        function of the two alone (the prompts of that index, request seeds from ``ahead_seed``).
+        Tensors stay on the CPU; :meth:`next_sample` moves them."""
+        args, pad_token_id = self.args, self.tokenizer.pad_token_id
+        batch = self._prompts.batch(index)
+        queries, query_mask = prompt_tensors(batch, pad_token_id, "cpu")
+        temperature = effective_temperature(args.temperature)
+        settings = replace(self._settings(args.response_length, temperature), temperature=temperature)
+        generator = torch.Generator().manual_seed(ahead_seed(args.seed, index, self.accelerator.process_index))
+        with self._engine_lock:
+            self.engine.use_version(version)
+            raw, engine_logprobs, sampled = sample_responses(self.engine, queries, query_mask, settings,
+                                                             pad_token_id, generator=generator)
+        responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, pad_token_id, sampled)
+        return SampledBatch(
+            queries=queries, query_mask=query_mask, responses=responses, response_mask=mask, has_stop=has_stop,
+            policy_version=version, engine_logprobs=engine_logprobs.masked_fill(~mask, 0.0), extras=_columns(batch),
         )
 
     # ------------------------------------------------------------------ turns
@@ -322,11 +450,15 @@ class RolloutSampler:
         global RNG (which checkpoints save: a resumed run samples what the unbroken one did); the
         engine sleeps afterwards (its memory free while the model trains). ``max_tokens``: the most
         new tokens per row (default ``response_length``, the width of the result)."""
+        width = self.args.response_length if max_tokens is None else max_tokens
+        settings = replace(self._settings(width, temperature), temperature=effective_temperature(temperature))
+        if self._producer is not None:  # asynchronous: the newest published version, between the producer's batches
+            with self._engine_lock:
+                self.engine.use_version(self._published)
+                return self.engine.sample(queries, query_mask, settings, self.tokenizer.pad_token_id)
         if self.engine is None:  # none yet, or closed by an earlier train()
             self.engine = self.engine_factory()
         self.engine.load_policy(policy, weights_version)
-        width = self.args.response_length if max_tokens is None else max_tokens
-        settings = replace(self._settings(width, temperature), temperature=effective_temperature(temperature))
         try:
             return self.engine.sample(queries, query_mask, settings, self.tokenizer.pad_token_id)
         finally:
@@ -338,7 +470,11 @@ class RolloutSampler:
                                 **SamplingFilters.from_config(self.args).engine_fields())
 
     def close_engine(self) -> None:
-        """Release the vLLM engine; a later vLLM sample builds a new one."""
+        """Stop the asynchronous producer (its batches in flight are dropped) and release the vLLM
+        engine; a later vLLM sample builds a new one."""
+        producer, self._producer, self._prompts, self._last = self._producer, None, None, None
+        if producer is not None:
+            producer.close()
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()
@@ -360,6 +496,25 @@ class RolloutSampler:
             yield turn
         finally:
             self._episode = None
+
+
+def ahead_seed(seed: int, index: int, process_index: int = 0) -> int:
+    """The seed of the request seeds of batch ``index`` sampled ahead: a function of the run's
+    seed, the batch and the process only (the run's RNG is the trainer thread's meanwhile).
+
+    Example:
+        >>> ahead_seed(0, 3) == ahead_seed(0, 3) != ahead_seed(0, 4)
+        True
+    """
+    digest = hashlib.sha256(f"{seed}/{process_index}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+def _on_device(sample: SampledBatch, device) -> SampledBatch:
+    """``sample`` with its tensors on ``device`` (the producer samples on the CPU)."""
+    moved = {name: getattr(sample, name).to(device) for name in ("queries", "query_mask", "responses",
+                                                                  "response_mask", "has_stop", "engine_logprobs")}
+    return replace(sample, **moved)
 
 
 def _columns(batch) -> dict[str, list]:

@@ -61,8 +61,11 @@ def reads_reference(args) -> bool:
 def on_policy_update(args) -> bool:
     """Whether each update is one optimizer step on a rollout the policy itself sampled just
     before: ``num_ppo_epochs == 1``, ``num_mini_batches == 1`` (micro-batches accumulate into that
-    one step, all before it) and no vLLM engine (whose log-probs are not the policy's)."""
-    return args.num_ppo_epochs == 1 and args.num_mini_batches == 1 and not getattr(args, "use_vllm", False)
+    one step, all before it), no vLLM engine (whose log-probs are not the policy's) and synchronous
+    rollouts (``max_staleness == 0``: a batch sampled ahead is older than the weights that train it,
+    so its proximal log-probs need the forward on the current weights)."""
+    return (args.num_ppo_epochs == 1 and args.num_mini_batches == 1 and not getattr(args, "use_vllm", False)
+            and getattr(args, "max_staleness", 0) == 0)
 
 
 def plan_scoring(args, *, trains_critic: bool, values_alone: bool = False, custom_update: bool = False) -> ScoringPlan:

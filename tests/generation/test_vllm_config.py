@@ -58,9 +58,15 @@ def test_use_vllm_refuses_near_greedy_temperature(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_server_mode_without_cuda_is_refused_at_construction(tmp_path):
-    with pytest.raises(ValueError, match="vllm_mode='server' with use_vllm=True needs CUDA.*colocate"):
-        tiny_config(tmp_path, use_vllm=True, vllm_mode="server")
+def test_server_mode_with_an_nccl_push_without_cuda_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="vllm_mode='server' .*'nccl' needs CUDA.*'auto'.*colocate"):
+        tiny_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_weight_sync="nccl")
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="use_vllm=True needs vLLM installed")
+def test_server_mode_without_cuda_is_accepted_with_a_file_push(tmp_path):
+    args = tiny_config(tmp_path, use_vllm=True, vllm_mode="server")  # "auto": adapter or weight files
+    assert args.vllm_server_weight_sync == "auto"
 
 
 @pytest.mark.skipif(vllm_installed(), reason="vLLM is installed here")

@@ -7,6 +7,7 @@ prompt ids -> completion ids + the engine's log-probs; receive new policy weight
 ``mismatch``   sampler-vs-trainer log-prob difference and truncated importance weights (pure math)
 ``vllm_colocate``  ``VLLMColocateEngine``: vLLM in the training process
 ``vllm_server``    ``VLLMServerEngine``: a running ``trl vllm-serve`` / ``vllm serve``
+``server_weights``  ``VLLMServerFileEngine``: the same server, weights pushed as files (no CUDA needed)
 
 Nothing here imports vLLM until an engine is built (``build_vllm_engine``).
 
@@ -26,19 +27,27 @@ from .arguments import VLLMArguments
 from .base import EngineSamples, GenerationEngine, SamplingSettings, sample_responses
 
 __all__ = ["EngineSamples", "GenerationEngine", "SamplingSettings", "VLLMArguments", "build_vllm_engine",
-           "sample_responses"]
+           "sample_responses", "server_weight_sync"]
 
 
 def build_vllm_engine(args: VLLMArguments, policy, *, adapter: str | None = None, seed: int = 0,
                       engine_kwargs: dict | None = None) -> GenerationEngine:
-    """The engine ``args`` asks for: a ``VLLMServerEngine`` at ``args.vllm_server_url``
-    (``vllm_mode="server"``), else a ``VLLMColocateEngine`` of ``policy`` (a causal LM, a
-    ``PeftModel`` whose ``adapter`` is the policy's, or a folder / hub id)."""
+    """The engine ``args`` asks for: with ``vllm_mode="server"`` an engine of the server at
+    ``args.vllm_server_url`` whose weight push :func:`server_weight_sync` chooses (NCCL:
+    ``VLLMServerEngine``; adapter or weight files: ``server_weights.VLLMServerFileEngine``), else a
+    ``VLLMColocateEngine`` of ``policy`` (a causal LM, a ``PeftModel`` whose ``adapter`` is the
+    policy's, or a folder / hub id)."""
     if args.vllm_mode == "server":
+        from .server_weights import VLLMServerFileEngine
         from .vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(args.vllm_server_url, timeout=args.vllm_server_timeout,
-                                group_port=args.vllm_group_port, adapter=adapter)
+        sync = server_weight_sync(args, policy, adapter)
+        if sync == "nccl":
+            return VLLMServerEngine(args.vllm_server_url, timeout=args.vllm_server_timeout,
+                                    group_port=args.vllm_group_port, adapter=adapter)
+        return VLLMServerFileEngine(args.vllm_server_url, sync=sync, adapter=adapter,
+                                    folder=getattr(args, "vllm_server_weight_dir", None),
+                                    timeout=args.vllm_server_timeout)
     from .vllm_colocate import VLLMColocateEngine
 
     return VLLMColocateEngine(
@@ -46,3 +55,18 @@ def build_vllm_engine(args: VLLMArguments, policy, *, adapter: str | None = None
         max_model_length=args.vllm_max_model_length, tensor_parallel_size=args.vllm_tensor_parallel_size,
         enable_sleep_mode=args.vllm_enable_sleep_mode, seed=seed, engine_kwargs=engine_kwargs,
     )
+
+
+def server_weight_sync(args, policy, adapter: str | None) -> str:
+    """How the policy's weights reach the server: ``args.vllm_server_weight_sync`` (a
+    ``PPOConfig`` field; ``"auto"`` for a bare ``VLLMArguments``) resolved by
+    ``server_weights.choose_server_weight_sync``. NCCL counts as available only with CUDA and
+    synchronous rollouts (``max_staleness=0``): the asynchronous sampler stages each version on the
+    trainer's thread and switches to it on its own, which the file pushes do."""
+    import torch
+
+    from .server_weights import choose_server_weight_sync
+
+    synchronous = getattr(args, "max_staleness", 0) == 0
+    return choose_server_weight_sync(policy, adapter, getattr(args, "vllm_server_weight_sync", "auto"),
+                                     cuda=torch.cuda.is_available() and synchronous)

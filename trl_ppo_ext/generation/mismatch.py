@@ -142,7 +142,14 @@ def sampling_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor |
     """The truncated importance weights ``pi_old / pi_engine`` a micro-batch's policy loss is
     multiplied by, as ``args`` (``VLLMArguments``' ``vllm_importance_sampling_*`` fields) ask:
     ``(b, T)`` in the token modes, ``(b, 1)`` in the sequence modes; None when the batch was not
-    sampled by an engine (``engine_logprobs`` None) or the correction is off. Each row's weight
+    sampled by an engine (``engine_logprobs`` None) or the correction is off.
+
+    With ``args.off_policy_correction`` ``"tis"`` or ``"decoupled"`` (``PPOConfig``) the weights
+    are ``off_policy.behaviour_weights`` instead, ``(b, T)``, capped at ``args.off_policy_cap``:
+    ``pi_old`` is then the proximal policy and ``pi_engine`` the behaviour policy (an older version
+    for a stale batch), and ``ppo_loss(old_logprobs=pi_old, pg_weights=these)`` is
+    ``off_policy.off_policy_ppo_loss`` term for term. The two corrections weight the same ratio, so
+    only one applies (the config refuses both). Each row's weight
     depends on that row alone, so cutting a rollout into micro-batches gives the weights of the
     whole rollout.
 
@@ -157,7 +164,15 @@ def sampling_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor |
         >>> sampling_weights(old, None, torch.tensor([[True, True]]), args) is None
         True
     """
-    if engine_logprobs is None or not args.vllm_importance_sampling_correction:
+    if engine_logprobs is None:
+        return None
+    correction = getattr(args, "off_policy_correction", "none")
+    if correction != "none":  # the off-policy correction instead (the config refuses both on)
+        from ..off_policy import behaviour_weights
+
+        return behaviour_weights(old_logprobs, engine_logprobs, response_mask, correction=correction,
+                                 cap=args.off_policy_cap)
+    if not args.vllm_importance_sampling_correction:
         return None
     return importance_sampling_weights(
         old_logprobs, engine_logprobs, response_mask, args.vllm_importance_sampling_mode,

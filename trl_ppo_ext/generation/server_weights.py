@@ -47,6 +47,8 @@ from .vllm_server import ServerError, VLLMServerEngine, _http_json, _with_retrie
 from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy_adapter
 
 SERVER_WEIGHT_SYNCS = ("adapter", "files")
+# what a config may ask for: "auto" chooses (``choose_server_weight_sync``), "nccl" is ``VLLMServerEngine``'s push
+SERVER_WEIGHT_SYNC_CHOICES = ("auto", "nccl", *SERVER_WEIGHT_SYNCS)
 
 
 def _http_text(url: str, payload: dict, timeout: float) -> str:
@@ -239,7 +241,7 @@ def choose_server_weight_sync(policy: nn.Module, adapter: str | None, requested:
         requested: ``"auto"``, ``"nccl"`` or one of ``SERVER_WEIGHT_SYNCS``.
         cuda: whether the trainer has a CUDA device.
     """
-    if requested not in ("auto", "nccl", *SERVER_WEIGHT_SYNCS):
+    if requested not in SERVER_WEIGHT_SYNC_CHOICES:
         raise ValueError(f"the server weight sync must be 'auto', 'nccl' or one of {list(SERVER_WEIGHT_SYNCS)}, "
                          f"got {requested!r}.")
     if requested == "nccl" and not cuda:

@@ -163,7 +163,8 @@ class VLLMServerEngine(GenerationEngine):
             raise NotImplementedError(
                 f"vllm_mode='server' pushes the policy's weights to {self.base_url} over NCCL (vLLM's weight-"
                 "transfer engine), which needs a CUDA device on the trainer's side. Without CUDA, use "
-                "vllm_mode='colocate'."
+                "server_weights.VLLMServerFileEngine (PPOConfig.vllm_server_weight_sync='auto', 'adapter' or "
+                "'files'), or use vllm_mode='colocate'."
             )
         client = self._client()
         adapter = self.adapter or (policy.active_adapter if _is_peft(policy) else None)

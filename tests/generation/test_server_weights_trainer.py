@@ -1,0 +1,140 @@
+"""PPOTrainer on a CPU with a real vLLM server on 127.0.0.1 (``vllm_mode="server"``): the engine the
+config builds pushes the policy's LoRA adapter as files (``server_weights.VLLMServerFileEngine``, no
+CUDA), and after every push the server samples what the trainer's policy computes: at each of two
+updates the server's sampled-token log-probs agree with the trainer's forward within 1e-3 (fp32)
+while the policy moves. The server process is ours and is stopped at the end of the module. Runs
+where vLLM is installed; skipped elsewhere."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from peft import LoraConfig
+
+from trl_ppo_ext.generation.arguments import vllm_installed
+from trl_ppo_ext.generation.weights import write_checkpoint
+from trl_ppo_ext.models.actor_critic import SharedActorCritic
+from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (see docs/vllm.md)")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+from tiny_setup import VLLM_SHAPES, prompt_dataset, tiny_config  # noqa: E402
+
+LOGP_BOUND = 1e-3  # fp32, as the colocated engine's trainer tests
+STARTUP_SECONDS = 240
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The URL of a vLLM server of the tiny base policy (fp32) that loads LoRA adapters at run time."""
+    root = tmp_path_factory.mktemp("vllm_server_trainer")
+    folder = write_checkpoint(build_tiny_causal_lm(build_tiny_tokenizer(pad_equals_eos=True), seed=0, **VLLM_SHAPES),
+                              str(root / "policy"))
+    port = _free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
+               "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
+               "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(root / "server.log", "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}", process, root
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # the server and the engine process it started
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def _trainer(server, tmp_path, **overrides):
+    from trl_ppo_ext import PPOTrainer
+
+    url, process, root = server
+    tok = build_tiny_tokenizer(pad_equals_eos=True)
+    ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0, **VLLM_SHAPES), lora_config=LORA)
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=STARTUP_SECONDS,
+                    total_episodes=8, temperature=1.0, learning_rate=1e-2)
+    args = tiny_config(tmp_path, **{**settings, **overrides})
+    if process.poll() is not None:
+        pytest.fail(f"the server exited ({process.poll()}):\n{(root / 'server.log').read_text()[-3000:]}")
+    try:
+        return PPOTrainer(args=args, processing_class=tok, model=ac, ref_model=None,
+                          reward_model=build_tiny_scorer(tok, seed=2, **VLLM_SHAPES),
+                          train_dataset=prompt_dataset(tok, n=8))
+    except ConnectionError:
+        log = (root / "server.log").read_text()[-3000:]
+        pytest.fail(f"the server did not start (exit code {process.poll()}):\n{log}")
+
+
+def _policy_params(trainer):
+    return {k: v.detach().clone() for k, v in trainer.unwrapped.policy.named_parameters()
+            if v.requires_grad and ".value." not in k}
+
+
+def test_a_cpu_trainer_trains_a_lora_policy_through_the_server_with_adapter_files(server, tmp_path):
+    from trl_ppo_ext.generation.server_weights import AdapterFilePush, VLLMServerFileEngine
+
+    trainer = _trainer(server, tmp_path)
+    engine = trainer.engine
+    assert isinstance(engine, VLLMServerFileEngine) and isinstance(engine.push, AdapterFilePush)
+    served = []
+    activate = engine.push.activate
+    engine.push.activate = lambda version: served.append(version) or activate(version)
+    before = _policy_params(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2
+    diffs = [h["sampling/sampling_logp_difference/max"] for h in logs]
+    print("server (adapter files), logp difference max per update:", diffs)
+    assert all(d < LOGP_BOUND for d in diffs), diffs  # the server sampled the trainer's weights of that update
+    assert served == [0, 1]  # update 1 sampled the starting adapter, update 2 the adapter after one update
+    moved = max((v - before[k]).abs().max().item() for k, v in _policy_params(trainer).items())
+    assert moved > 1e-4, "the policy did not move"
+    assert trainer.engine is None  # train() closed it (its adapter versions unloaded, its files deleted)
+
+
+def _trainer_samples_ahead() -> bool:
+    """Whether ``PPOTrainer.produce_rollout`` hands rollouts to ``RolloutSampler.next_sample`` (the
+    trainer's side of ``max_staleness``; until it does, the asynchronous run below is skipped)."""
+    import inspect
+
+    from trl_ppo_ext import PPOTrainer
+
+    return "next_sample" in inspect.getsource(PPOTrainer.produce_rollout)
+
+
+@pytest.mark.skipif(not vllm_installed() or not _trainer_samples_ahead(),
+                    reason="needs vLLM and the trainer's max_staleness wiring")
+def test_an_asynchronous_run_trains_batches_at_most_max_staleness_versions_old(server, tmp_path):
+    trainer = _trainer(server, tmp_path, max_staleness=1, total_episodes=12, off_policy_correction="decoupled",
+                       vllm_importance_sampling_correction=False)
+    before = _policy_params(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 3
+    # batch 0 is sampled by the starting weights; batch k >= 1 by the weights of update k - 1: one version old
+    assert [h["async/staleness"] for h in logs] == [0.0, 1.0, 1.0] == [h["policy/lag"] for h in logs]
+    assert logs[0]["sampling/sampling_logp_difference/max"] < LOGP_BOUND  # staleness 0: the trainer's weights
+    assert all(0 <= h["off_policy/capped_frac"] <= 1 for h in logs)
+    print("async: logp gap per update", [h["off_policy/logp_gap_mean"] for h in logs],
+          "waited for rollouts", [round(h["async/wait_for_rollout_s"], 3) for h in logs])
+    moved = max((v - before[k]).abs().max().item() for k, v in _policy_params(trainer).items())
+    assert moved > 1e-4, "the policy did not move"
+    assert trainer.engine is None and trainer.sampler._producer is None  # train() stopped the thread
