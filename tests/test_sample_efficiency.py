@@ -1,4 +1,4 @@
-"""benchmarks/sample_efficiency.py without training: its table, plot and log reading on fake
+"""benchmarks/sample_efficiency/ without training: its table, plot and log reading on fake
 logs written here, its arm parsing, and the rule reward TRL's trainer gets on the verifiable
 task checked against the example's own reward functions."""
 
