@@ -33,7 +33,7 @@ dropped. Complete files are skipped, so an interrupted benchmark resumes where i
 (``--rerun-crashed`` runs crashed ones again).
 
 The tasks (``TASKS``, one module each under ``tasks/``: ``synthetic``, ``verifiable``, ``long``,
-``multiturn``, ``tools_env``) say what their runs share and what their ``reward`` is. TRL 1.12's
+``multiturn``, ``tools_env``, ``gem_guess``) say what their runs share and what their ``reward`` is. TRL 1.12's
 trainer needs a separate value model: as TRL's example script does, it is initialised from the
 reward model (synthetic) or, with no reward model, from the initial policy with a fresh score head.
 This package's arms use the shared LoRA actor-critic of the examples (value head on the policy's
@@ -109,8 +109,8 @@ from .trl_grpo import (
 )
 
 MODULES = ("arms", "cli", "common", "critics", "report", "run", "scoring", "step_through", "trl_grpo",
-           "tasks", "tasks.base", "tasks.long", "tasks.multiturn", "tasks.synthetic", "tasks.tools_env",
-           "tasks.verifiable")
+           "tasks", "tasks.base", "tasks.gem_guess", "tasks.long", "tasks.multiturn", "tasks.synthetic",
+           "tasks.tools_env", "tasks.verifiable")
 __all__ = ["Arm", "ARMS", "build_parser", "build_tools_env_sft", "calculator_class", "correct_answer", "critic_as",
            "CRITICS", "curves", "DEFAULT_TRL_PYTHON", "demo_prompts_and_lora", "episode_mismatch",
            "episodes_to_reach", "execute", "final_reward", "GAE_MODES", "grpo_config", "GRPO_GENERATIONS",

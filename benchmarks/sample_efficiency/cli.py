@@ -18,7 +18,7 @@ from .arms import ARMS, Arm, missing_fields, parse_arm
 from .common import PACKAGE_DIR, ROOT
 from .report import read_memory, read_run, report
 from .run import MEMORY_SEED, MEMORY_UPDATES, prepare, run_one
-from .tasks import TASKS, task_sizes
+from .tasks import TASKS, task_module, task_sizes
 from .trl_grpo import trl_grpo_ok
 
 DEFAULT_TRL_PYTHON = "/work/venv112/bin/python"
@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     args.episodes = args.episodes or episodes
     args.hidden_size = args.hidden_size or hidden_size
     task_dir = args.out / args.task
+    missing = getattr(task_module(args.task), "missing", lambda: None)()
+    if missing is not None and not args.report_only:
+        print(f"note: task {args.task!r} skipped: {missing}")
+        return 0
     if args.prepare is not None:
         prepare(args.task, args.prepare, task_dir / "_models" / f"seed{args.prepare}", args.hidden_size)
         return 0

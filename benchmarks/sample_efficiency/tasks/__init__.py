@@ -4,7 +4,8 @@
 * ``verifiable``: ``examples/ppo_verifiable.py``, ``max a b`` after an SFT warm-up, its accuracy;
 * ``long``: the synthetic words with 32-token responses and one reward at the end;
 * ``multiturn``: ``examples/ppo_multiturn.py``'s episodes with turns from a ``rollout_func``;
-* ``tools_env``: ``examples/ppo_tools.py``'s calculator as an ``environment_factory``.
+* ``tools_env``: ``examples/ppo_tools.py``'s calculator as an ``environment_factory``;
+* ``gem_guess``: GEM's GuessTheNumber (the ``envs`` extra), a reward per step, through ``examples/env_gem.py``.
 
 Each module's docstring says what its runs share and what its ``reward`` is.
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..common import _examples_on_path
-from . import long, multiturn, synthetic, tools_env, verifiable
+from . import gem_guess, long, multiturn, synthetic, tools_env, verifiable
 from .base import GRPOInputs, OursRun, TaskSpec
 
 __all__ = ["TASKS", "GRPOInputs", "OursRun", "TaskSpec", "task_module", "task_settings", "task_sizes"]
 
 _MODULES = {"synthetic": synthetic, "verifiable": verifiable, "long": long, "multiturn": multiturn,
-            "tools_env": tools_env}
+            "tools_env": tools_env, "gem_guess": gem_guess}
 TASKS = {name: module.SPEC for name, module in _MODULES.items()}
 
 

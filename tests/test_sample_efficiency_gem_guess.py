@@ -1,0 +1,87 @@
+"""The sample-efficiency benchmark's ``gem_guess`` task (GEM's GuessTheNumber, a reward per step)
+without training: the search the warm-up demonstrates, by hand; a game played through the
+example's environment and the rewards it books per turn; the warm-up episode's ids and labels;
+the return TRL GRPO's run measures per generation batch; the skip where GEM is missing. The
+tests that play GEM skip without it (``pip install -e ".[envs]"``)."""
+
+import importlib.util
+import random
+from types import SimpleNamespace
+
+import pytest
+
+
+@pytest.fixture
+def gem_task(se):
+    pytest.importorskip("gem")
+    return se.task_module("gem_guess")
+
+
+def test_search_guesses_halfway_through_what_the_hints_leave(se):
+    task = se.task_module("gem_guess")
+    # 1..10: 5; higher than 5 -> 6..10: 8; lower than 8 -> 6..7: 6; higher than 6 -> 7..7: 7
+    assert task.search_guess([]) == 5
+    assert task.search_guess([(5, "... the target number is higher than 5.")]) == 8
+    assert task.search_guess([(5, "higher than 5."), (8, "lower than 8.")]) == 6
+    assert task.search_guess([(5, "higher"), (8, "lower"), (6, "higher")]) == 7
+
+
+def test_the_task_is_skipped_with_a_message_where_gem_is_missing(se, tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gem" else real(name, *a))
+    assert se.main(["--task", "gem_guess", "--arms", "defaults", "--seeds", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "note: task 'gem_guess' skipped" in out and 'pip install "trl-ppo-ext[envs]"' in out
+    assert not (tmp_path / "gem_guess").exists()  # nothing prepared, nothing run
+    with pytest.raises(ModuleNotFoundError, match="gem-llm"):
+        se.task_module("gem_guess").environment_class()
+
+
+def test_a_searched_game_books_its_rewards_per_turn(gem_task):
+    """GEM 0.1.0's seed 9 hides 8: the search guesses 5 (higher, 0.0), then 8 (right, 1.0)."""
+    env = gem_task.environment_class()()
+    turns = gem_task.play(env, 9, True, random.Random(0))
+    assert [guess for guess, _ in turns] == [5, 8]
+    assert "higher than 5" in turns[0][1] and "correct number 8" in turns[1][1]
+    assert env.rewards == [0.0, 1.0] and env.step_turns == [0, 1] and float(env.get_reward()) == 1.0
+
+
+def test_a_random_game_ends_by_the_fourth_guess(gem_task):
+    env = gem_task.environment_class()()
+    turns = gem_task.play(env, 9, False, random.Random(3))
+    assert 1 <= len(turns) <= gem_task.TURNS and env.done
+    won = any(guess == 8 for guess, _ in turns)
+    assert float(env.get_reward()) == (1.0 if won else sum(env.rewards))
+
+
+def test_warm_up_episode_ids_round_trip_and_learn_the_policy_turns_only(gem_task):
+    """Seed 9 searched: two calls and the last turn are labelled, GEM's replies and the prompt are not."""
+    tok, template = gem_task.build_tokenizer()
+    env = gem_task.environment_class()()
+    ids, labels = gem_task.episode_ids(tok, template, env, 9, True, random.Random(0))
+    text = tok.decode(ids)
+    assert text.endswith("Done.<|im_end|>") and "Find the hidden number with the guess tool." in text
+    learned = tok.decode([i for i, label in zip(ids, labels) if label != -100])
+    assert learned == gem_task.call_text(5) + gem_task.call_text(8) + gem_task.LAST_TURN
+    assert len(ids) < 200  # the fixed text as whole tokens: byte by byte the prompt alone is ~1,300 ids
+
+
+def test_trl_grpo_run_measures_each_generation_batch_of_returns(gem_task, tmp_path):
+    """A batch of 2 episodes (1 x 2): the first batch's returns reach the recorder once both are read."""
+    measured = []
+    recorder = SimpleNamespace(measure=measured.append)
+    ppo = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    fake_model_dir = tmp_path  # _inputs loads the SFT policy: give it a tiny one
+    tok, _ = gem_task.build_tokenizer()
+    from trl_ppo_ext.tiny import build_tiny_causal_lm
+
+    build_tiny_causal_lm(tok, hidden_size=8).save_pretrained(fake_model_dir / "sft")
+    inputs = gem_task.grpo(0, ppo, model_dir=fake_model_dir, hidden_size=8, recorder=recorder)
+    Env = inputs.environments["environment_factory"]
+    assert Env.__name__ == "GemGuessTheNumber" and inputs.funcs == []  # get_reward is GRPO's reward
+    won, lost = Env(), Env()
+    gem_task.play(won, 9, True, random.Random(0))  # 5, 8: a win
+    lost.reset(prompt=gem_task.PROMPT, seed=9)
+    lost.guess(1)  # higher than 1, then nothing more: 0.0
+    assert won.get_reward() == 1.0 and measured == []
+    assert lost.get_reward() == 0.0 and measured == [[1.0, 0.0]]
