@@ -300,6 +300,37 @@ def test_shared_actor_critic_has_a_value_head_only_when_the_estimator_trains_a_c
                      "no config": (True, True)}
 
 
+def test_the_critic_of_each_arm_is_chosen_in_one_place(se):
+    """trl112 and "separate" get the loaded value model itself, every weight trained; "lora" the same
+    model with an adapter (only lora_* and score.* train); "shared" no value model, and the value
+    model is then never loaded."""
+    from peft import LoraConfig
+
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    loads = []
+
+    def value_model():
+        loads.append(1)
+        return build_tiny_scorer(tok, hidden_size=8)
+
+    for arm in (se.ARMS["trl112"], se.Arm(critic="separate")):
+        models = se.actor_and_critic(arm, "policy", lora, None, value_model)
+        assert models["model"] == "policy" and models["peft_config"] is lora and models["ref_model"] is None
+        assert all(p.requires_grad for p in models["value_model"].parameters())
+        assert not any("lora_" in n for n, _ in models["value_model"].named_parameters())
+    models = se.actor_and_critic(se.Arm(critic="lora"), "policy", lora, None, value_model)
+    trained = [n for n, p in models["value_model"].named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n or n.startswith("score.") for n in trained)
+    assert any(n.startswith("score.") for n in trained) and any("lora_" in n for n in trained)
+    assert len(loads) == 3
+    models = se.actor_and_critic(se.ARMS["defaults"], build_tiny_causal_lm(tok, hidden_size=8), lora, None, value_model)
+    assert isinstance(models["model"], SharedActorCritic) and models["value_model"] is None and len(loads) == 3
+
+
 def test_an_arm_keeps_its_colour_in_every_panel_when_another_logs_no_kl(se, tmp_path, monkeypatch):
     """TRL's GRPO (beta 0) logs no KL: its curve is missing from the KL panel, and the arm after it must
     not take its colour there."""

@@ -57,7 +57,7 @@ command line: every run in its own process). This package re-exports their publi
 from .arms import ARMS, CRITICS, GAE_MODES, RECIPE, SHORT_ALPHA, TRAINERS, Arm, missing_fields, parse_arm
 from .cli import DEFAULT_TRL_PYTHON, build_parser, execute, main, trl_python_ok
 from .common import LOGGED, ROOT
-from .critics import critic_as, shared_actor_critic
+from .critics import actor_and_critic, critic_as, shared_actor_critic
 from .report import (
                      Run,
                      curves,
@@ -111,7 +111,8 @@ from .trl_grpo import (
 MODULES = ("arms", "cli", "common", "critics", "report", "run", "scoring", "step_through", "trl_grpo",
            "tasks", "tasks.base", "tasks.gem_guess", "tasks.long", "tasks.multiturn", "tasks.synthetic",
            "tasks.tools_env", "tasks.verifiable")
-__all__ = ["Arm", "ARMS", "build_parser", "build_tools_env_sft", "calculator_class", "correct_answer", "critic_as",
+__all__ = ["actor_and_critic",
+           "Arm", "ARMS", "build_parser", "build_tools_env_sft", "calculator_class", "correct_answer", "critic_as",
            "CRITICS", "curves", "DEFAULT_TRL_PYTHON", "demo_prompts_and_lora", "episode_mismatch",
            "episodes_to_reach", "execute", "final_reward", "GAE_MODES", "grpo_config", "GRPO_GENERATIONS",
            "grpo_lora", "grpo_prompts", "grpo_row", "grpo_settings", "GRPORecorder", "LOGGED",

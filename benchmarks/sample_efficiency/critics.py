@@ -35,3 +35,24 @@ def critic_as(critic: str, value, lora):
     for name, param in value.named_parameters():
         param.requires_grad_("lora_" in name or name.startswith("score."))
     return value
+
+
+def actor_and_critic(arm, policy, lora, config, value_model) -> dict:
+    """The trainer keywords ``model``, ``ref_model``, ``value_model`` (and ``peft_config``) of a PPO arm,
+    the one place the critic is chosen:
+
+    * ``trl112``: TRL's separate value model as ``value_model()`` loads it (TRL's example script: the
+      reward model, or the initial policy with a fresh score head), every weight trained;
+    * ``critic`` "separate" or "lora": that value model trained whole, or as a LoRA adapter and its
+      head (:func:`critic_as`), beside a LoRA policy;
+    * ``critic`` "shared" or "value_lora": the shared actor-critic (:func:`shared_actor_critic`),
+      without a value head when ``config`` trains no critic.
+
+    ``value_model`` is called only where a separate value model is used (a load draws no random
+    numbers otherwise), at the point where the tasks loaded it before."""
+    if arm.trainer == "trl112":
+        return dict(model=policy, ref_model=None, value_model=value_model(), peft_config=lora)
+    if arm.critic in ("separate", "lora"):
+        return dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value_model(), lora),
+                    peft_config=lora)
+    return dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)

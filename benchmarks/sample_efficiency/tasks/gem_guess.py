@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 from ..common import _examples_on_path
-from ..critics import critic_as, shared_actor_critic
+from ..critics import actor_and_critic
 from .base import GRPOInputs, OursRun, TaskSpec
 
 LOW, HIGH, TURNS = 1, 10, 4  # GEM's GuessTheNumber-v0-easy
@@ -216,11 +216,8 @@ def ours(arm, seed: int, *, make_config, model_dir: Path, hidden_size: int) -> O
 
     tok, policy, lora, rows = _inputs(model_dir)
     config = make_config()
-    if arm.critic in ("separate", "lora"):
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
-        models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora), peft_config=lora)
-    else:
-        models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
+    value_model = AutoModelForSequenceClassification.from_pretrained  # TRL's example: a value model
+    models = actor_and_critic(arm, policy, lora, config, lambda: value_model(model_dir / "sft", num_labels=1))
     models.update(reward_model=None, environment_factory=environment_class(), train_dataset=rows)
 
     def batch_reward(logs):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..critics import critic_as, shared_actor_critic
+from ..critics import actor_and_critic
 from ..scoring import _rule_reward_model_class, response_after_marker
 from .base import GRPOInputs, OursRun, TaskSpec
 from .synthetic import demo_prompts_and_lora
@@ -79,12 +79,8 @@ def ours(arm, seed: int, *, make_config, model_dir: Path, hidden_size: int) -> O
     prompts, lora = demo_prompts_and_lora(task, seed, config.response_length, policy)
     marker, pad = task.tokenizer.convert_tokens_to_ids("<assistant>"), task.tokenizer.pad_token_id
     seen: list[float] = []
-    if arm.trainer == "trl112" or arm.critic in ("separate", "lora"):  # TRL's example: a value model, fresh head
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "policy", num_labels=1)
-        models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
-                      peft_config=lora)
-    else:
-        models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
+    value_model = AutoModelForSequenceClassification.from_pretrained  # TRL's example: a value model
+    models = actor_and_critic(arm, policy, lora, config, lambda: value_model(model_dir / "policy", num_labels=1))
     if arm.trainer == "trl112":
         def rule(ids):
             value = long_task_reward(task, response_after_marker(ids, marker, pad))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..critics import critic_as, shared_actor_critic
+from ..critics import actor_and_critic
 from .base import OursRun, TaskSpec
 
 SPEC = TaskSpec(
@@ -54,12 +54,8 @@ def ours(arm, seed: int, *, make_config, model_dir: Path, hidden_size: int) -> O
     policy = AutoModelForCausalLM.from_pretrained(model_dir / "policy")
     lora = LoraConfig(r=task_args.lora_r, lora_alpha=task_args.lora_alpha, lora_dropout=0.0,
                       target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
-    if arm.critic in ("separate", "lora"):
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "policy", num_labels=1)
-        models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
-                      peft_config=lora)
-    else:
-        models = dict(model=shared_actor_critic(arm.critic, policy, lora), ref_model=None, value_model=None)
+    value_model = AutoModelForSequenceClassification.from_pretrained  # TRL's example: a value model
+    models = actor_and_critic(arm, policy, lora, config, lambda: value_model(model_dir / "policy", num_labels=1))
     models.update(reward_model=None, reward_funcs=[make_reward(task)], rollout_func=make_rollout_func(task),
                   train_dataset=prompt_dataset(task, repeats=task_args.train_repeats))
 

@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..critics import critic_as, shared_actor_critic
+from ..critics import actor_and_critic
 from ..scoring import RewardRecorder, response_after_marker
 from .base import GRPOInputs, OursRun, TaskSpec
 
@@ -171,16 +171,10 @@ def ours(arm, seed: int, *, make_config, model_dir: Path, hidden_size: int) -> O
         return (sum(values) / len(values) if values else None), len(values)
 
     models = dict(reward_model=reward_model, train_dataset=prompts)
+    value_model = AutoModelForSequenceClassification.from_pretrained
+    models.update(actor_and_critic(arm, policy, lora, config, lambda: value_model(model_dir / "reward_model")))
     if arm.trainer == "trl112":
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
-        models.update(model=policy, ref_model=None, value_model=value, peft_config=lora,
-                      train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
-    elif arm.critic in ("separate", "lora"):
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "reward_model")
-        models.update(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
-                      peft_config=lora)
-    else:
-        models.update(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
+        models.update(train_dataset=prompts.select_columns(["input_ids"]))  # TRL's collator pads every column
     if arm.reward != "default":  # the reward variants: the true reward read from the policy's own ids
         seen: list[float] = []
 

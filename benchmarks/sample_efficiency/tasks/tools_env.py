@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from ..common import _examples_on_path
-from ..critics import critic_as, shared_actor_critic
+from ..critics import actor_and_critic
 from ..scoring import measuring
 from .base import GRPOInputs, OursRun, TaskSpec
 
@@ -145,12 +145,8 @@ def ours(arm, seed: int, *, make_config, model_dir: Path, hidden_size: int) -> O
 
     task, policy, lora, dataset = tools_env_inputs(model_dir)
     config = make_config()
-    if arm.critic in ("separate", "lora"):
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
-        models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
-                      peft_config=lora)
-    else:
-        models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None, value_model=None)
+    value_model = AutoModelForSequenceClassification.from_pretrained  # TRL's example: a value model
+    models = actor_and_critic(arm, policy, lora, config, lambda: value_model(model_dir / "sft", num_labels=1))
     seen: list[tuple[list[float], dict]] = []  # per reward call: the rewards and the call rates
     models.update(reward_model=None, reward_funcs=[measuring(correct_answer, tool_calls_measured, seen.append)],
                   environment_factory=calculator_class(), train_dataset=dataset)

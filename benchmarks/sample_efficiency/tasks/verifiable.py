@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..critics import critic_as, shared_actor_critic
+from ..critics import actor_and_critic
 from ..scoring import RewardRecorder, _rule_reward_model_class, response_after_marker
 from .base import GRPOInputs, OursRun, TaskSpec
 
@@ -86,25 +86,18 @@ def ours(arm, seed: int, *, make_config, model_dir: Path, hidden_size: int) -> O
                       target_modules=task_args.lora_target_modules, task_type="CAUSAL_LM")
     rule = verifiable_rule(task, weights=weights, response_length=config.response_length,
                            overlong_cache=task_args.soft_overlong_cache)
+    value_model = AutoModelForSequenceClassification.from_pretrained  # TRL's example: a value model
+    models = actor_and_critic(arm, policy, lora, config, lambda: value_model(model_dir / "sft", num_labels=1))
     if arm.trainer == "trl112":
         rule_model = _rule_reward_model_class()(lambda ids: rule(ids)[0])
         recorder = RewardRecorder(rule_model)
-        value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
-        models = dict(model=policy, ref_model=None, value_model=value, peft_config=lora, reward_model=rule_model,
-                      train_dataset=prompts.select_columns(["input_ids"]))
+        models.update(reward_model=rule_model, train_dataset=prompts.select_columns(["input_ids"]))
 
         def batch_reward(logs):
             rows = recorder.take()
             values = [rule(r)[1] for r in rows]
             return (sum(values) / len(values) if values else None), len(values)
     else:
-        if arm.critic in ("separate", "lora"):
-            value = AutoModelForSequenceClassification.from_pretrained(model_dir / "sft", num_labels=1)
-            models = dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value, lora),
-                          peft_config=lora)
-        else:
-            models = dict(model=shared_actor_critic(arm.critic, policy, lora, config), ref_model=None,
-                          value_model=None)
         models.update(reward_model=None, reward_funcs=reward_functions(task, config, task_args),
                       train_dataset=prompts)
 
