@@ -26,6 +26,16 @@ def test_search_guesses_halfway_through_what_the_hints_leave(se):
     assert task.search_guess([(5, "higher"), (8, "lower"), (6, "higher")]) == 7
 
 
+def test_pieces_are_longest_first_and_ties_in_text_order(se):
+    """The warm-up and each run build the tokenizer in a process of their own: the pieces' order (so
+    their ids) must not follow a set's order, which string hashing changes from process to process."""
+    task = se.task_module("gem_guess")
+    # "lower than 5." -> "lower than " (11 chars), "." (1, left out); "higher than 7" -> "higher than " (12);
+    # "<x>ab1cd" with <x> an added token -> "ab", "cd"; "ba2dc" -> "ba", "dc"
+    texts = ["lower than 5.", "higher than 7", "<x>ab1cd", "ba2dc"]
+    assert task._pieces(texts, ["<x>"]) == ["higher than ", "lower than ", "ab", "ba", "cd", "dc"]
+
+
 def test_the_task_is_skipped_with_a_message_where_gem_is_missing(se, tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gem" else real(name, *a))

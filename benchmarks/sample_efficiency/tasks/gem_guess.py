@@ -111,10 +111,12 @@ def play(env, seed: int, search: bool, rng: random.Random) -> list[tuple[int, st
 
 
 def _pieces(texts: list[str], added: list[str]) -> list[str]:
-    """The fixed text of ``texts`` between the tokenizer's ``added`` tokens and digits, longest first."""
+    """The fixed text of ``texts`` between the tokenizer's ``added`` tokens and digits, longest first,
+    pieces of one length in text order: the ids must not depend on the process's string hashing (the
+    warm-up and the runs build the tokenizer in processes of their own)."""
     splitter = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
     return sorted({p for text in texts for p in re.split(f"{splitter}|[0-9]+", text) if len(p) > 1},
-                  key=len, reverse=True)
+                  key=lambda p: (-len(p), p))
 
 
 def build_tokenizer():
