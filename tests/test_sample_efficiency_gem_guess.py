@@ -95,3 +95,27 @@ def test_trl_grpo_run_measures_each_generation_batch_of_returns(gem_task, tmp_pa
     lost.guess(1)  # higher than 1, then nothing more: 0.0
     assert won.get_reward() == 1.0 and measured == []
     assert lost.get_reward() == 0.0 and measured == [[1.0, 0.0]]
+
+
+@pytest.mark.slow
+def test_both_arms_run_the_game_and_line_up(gem_task, needs_trl_grpo, se, tmp_path):
+    """Both arms end to end, 64 episodes (2 rollouts of 32), from the random model (no warm-up): rows for
+    the same episodes, each reward a mean return (-0.1 per move without a number .. 1.0), TRL GRPO's
+    measured over all 32 episodes of its generation batch."""
+    import json
+
+    model_dir = tmp_path / "_models" / "seed0"
+    info = gem_task.build_sft(0, model_dir / "sft", 16, trainer_dir=tmp_path / "trainer", steps=0)
+    assert info["sft_steps"] == 0
+    rows = {}
+    for name in ("trl_grpo", "defaults"):
+        out = tmp_path / name / "0.jsonl"
+        out.parent.mkdir()
+        assert se.run_one("gem_guess", se.ARMS[name], 0, model_dir=model_dir, episodes=64, hidden_size=16,
+                          out=out) == 2
+        *rows[name], done = [json.loads(line) for line in out.with_suffix(".partial").read_text().splitlines()]
+        assert done["done"] and done["updates"] == 2 and done["train_s"] > 0
+    assert [r["episode"] for r in rows["trl_grpo"]] == [r["episode"] for r in rows["defaults"]] == [32, 64]
+    for row in rows["trl_grpo"] + rows["defaults"]:
+        assert -0.1 * gem_task.TURNS <= row["reward"] <= 1.0 and row["entropy"] > 0
+    assert all(r["scored"] == 32 for r in rows["trl_grpo"])
