@@ -121,12 +121,16 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     handle = partial.open("w")
 
     class Rows(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "episode" not in logs:
                 return
             reward, scored = run.batch_reward(logs)
             row = {"update": state.global_step, "episode": logs["episode"], "reward": reward, "scored": scored,
-                   **{key: logs.get(metric) for key, metric in LOGGED.items()}, **run.extras}
+                   **{key: logs.get(metric) for key, metric in LOGGED.items()}, **run.extras,
+                   "time_s": time.perf_counter() - self.start}  # wall seconds of training when the update ended
             handle.write(json.dumps(row) + "\n")
             handle.flush()
 

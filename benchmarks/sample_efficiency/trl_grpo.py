@@ -43,6 +43,7 @@ import json
 import math
 import shutil
 import statistics
+import time
 from pathlib import Path
 
 from .tasks import task_module, task_settings
@@ -258,9 +259,13 @@ def run_grpo(task_name: str, arm, seed: int, *, model_dir: Path, episodes: int, 
     handle = partial.open("w")
 
     class Rows(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             for row in recorder.log(state.global_step, logs or {}):
-                handle.write(json.dumps(row) + "\n")
+                # wall seconds of training when the rollout's last optimizer step was logged
+                handle.write(json.dumps({**row, "time_s": time.perf_counter() - self.start}) + "\n")
                 handle.flush()
 
     trainer = GRPOTrainer(model=inputs.policy, reward_funcs=inputs.funcs, args=config, train_dataset=inputs.dataset,
