@@ -138,3 +138,31 @@ def test_an_arm_keeps_its_colour_in_every_panel_when_another_logs_no_kl(se, tmp_
     reward_ax, kl_ax, _ = saved[0].axes
     colour = {line.get_label(): line.get_color() for line in reward_ax.lines}["with_kl (1 seeds)"]
     assert [line.get_color() for line in kl_ax.lines] == [colour]
+
+
+def test_wall_times_and_the_wall_time_plot(se, tmp_path, monkeypatch):
+    """Seeds 0 and 1 end their updates at 2, 4, 6 s and 4, 8 s (seed 1 stopped after two of three:
+    crashed, left out); seed 2 at 3, 5, 7 s. Mean over seeds 0 and 2: 2.5, 4.5, 6.5 s."""
+    import matplotlib.figure
+
+    def run(seed, times, updates=3):
+        path = tmp_path / f"{seed}.jsonl"
+        rows = [{"update": i + 1, "episode": 32 * (i + 1), "reward": 0.1 * (i + 1), "time_s": t}
+                for i, t in enumerate(times)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"done": True, "updates": updates}]))
+        return se.read_run(path, seed)
+
+    runs = [run(0, [2.0, 4.0, 6.0]), run(1, [4.0, 8.0]), run(2, [3.0, 5.0, 7.0])]
+    assert runs[1].crashed == "stopped after 2 of 3 updates"
+    assert se.wall_times(runs) == [2.5, 4.5, 6.5]
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    assert se.plot_wall_time({"a": runs}, tmp_path / "w.png", title="t", reward_name="r", threshold=None, window=1)
+    (line,) = drawn[0].axes[0].get_lines()
+    assert list(line.get_xdata()) == [2.5, 4.5, 6.5] and list(line.get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+    # rows without time_s (runs written before it was kept): no plot
+    write_run(tmp_path / "old.jsonl", [0.5, 0.6])
+    assert se.wall_times([se.read_run(tmp_path / "old.jsonl", 0)]) == []
+    assert not se.plot_wall_time({"old": [se.read_run(tmp_path / "old.jsonl", 0)]}, tmp_path / "x.png", title="t",
+                                 reward_name="r", threshold=None, window=1)
+    assert len(drawn) == 1

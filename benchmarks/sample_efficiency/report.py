@@ -13,7 +13,8 @@ milliseconds per episode (``train_s`` over the run's episodes); where rows have 
 the finished runs' rows do not all count the same episodes per update (``episode_mismatch``).
 With ``--memory`` a column "peak live tensors (MiB)" (one short run per arm, see ``run.timed_train``).
 The plot (``DIR/<task>.png``): mean over seeds of that trailing mean against episodes, with a band
-of +- one standard deviation per arm; KL and entropy in panels beside it.
+of +- one standard deviation per arm; KL and entropy in panels beside it. Where the rows keep
+``time_s``, the same reward against the mean wall seconds of training (``DIR/<task>_wall.png``).
 """
 
 from __future__ import annotations
@@ -222,6 +223,54 @@ def plot(runs_by_arm: dict[str, list[Run]], path: Path, *, title: str, reward_na
     plt.close(fig)
 
 
+def wall_times(runs: list[Run]) -> list[float]:
+    """Per update, the mean over the runs that did not crash of ``time_s`` (wall seconds of training
+    when the update ended), for the updates every such run has; [] where a row has no ``time_s``.
+
+    >>> wall_times([Run(0, [{"time_s": 1.0}, {"time_s": 3.0}]), Run(1, [{"time_s": 2.0}])])
+    [1.5]
+    """
+    ok = [r for r in runs if r.crashed is None and r.rows]
+    if not ok or any(x.get("time_s") is None for r in ok for x in r.rows):
+        return []
+    n = min(len(r.rows) for r in ok)
+    return [statistics.fmean(r.rows[i]["time_s"] for r in ok) for i in range(n)]
+
+
+def plot_wall_time(runs_by_arm: dict[str, list[Run]], path: Path, *, title: str, reward_name: str,
+                   threshold: float | None, window: int) -> bool:
+    """Mean reward (trailing ``window``-update mean, +-1 sd band) against the mean wall seconds of
+    training at each update, one curve per arm; False (nothing written) where no arm has ``time_s``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    drawn = False
+    for i, (name, runs) in enumerate(runs_by_arm.items()):
+        seconds, (_, mean, sd) = wall_times(runs), curves(runs, "reward", window)
+        n = min(len(seconds), len(mean))
+        if not n:
+            continue
+        drawn = True
+        color = f"C{i % 10}"  # the colours of the episodes plot
+        ok = sum(r.crashed is None for r in runs)
+        ax.plot(seconds[:n], mean[:n], label=f"{name} ({ok} seeds)", lw=1.5, color=color)
+        ax.fill_between(seconds[:n], [m - s for m, s in zip(mean, sd)][:n], [m + s for m, s in zip(mean, sd)][:n],
+                        color=color, alpha=0.2, lw=0)
+    if threshold is not None:
+        ax.axhline(threshold, color="gray", ls="--", lw=1, label=f"threshold {threshold:.3f}")
+    ax.set(title=title, xlabel="wall seconds of training (one thread)", ylabel=f"{reward_name}, mean of {window}")
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    if drawn:
+        fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return drawn
+
+
 def episode_mismatch(runs_by_arm: dict[str, list[Run]]) -> str | None:
     """None when every finished run's rows have the same ``episode`` column (the arms generated the
     same completions per update), else which runs differ from the first one's.
@@ -267,6 +316,9 @@ def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
         header += f"; WARNING: {mismatch}"
     text = header + "\n\n" + text
     (task_dir / "table.md").write_text(text + "\n")
-    plot(runs_by_arm, task_dir.parent / f"{args.task}.png", title=f"{args.task} task, {len(seeds)} seeds",
-         reward_name=spec.reward_name, threshold=threshold, episodes=args.episodes, window=args.window)
+    title = f"{args.task} task, {len(seeds)} seeds"
+    plot(runs_by_arm, task_dir.parent / f"{args.task}.png", title=title, reward_name=spec.reward_name,
+         threshold=threshold, episodes=args.episodes, window=args.window)
+    plot_wall_time(runs_by_arm, task_dir.parent / f"{args.task}_wall.png", title=title, reward_name=spec.reward_name,
+                   threshold=threshold, window=args.window)
     return text
