@@ -4,11 +4,12 @@
     python benchmarks/sample_efficiency --task verifiable --arms trl112 defaults recipe --out DIR
     python benchmarks/sample_efficiency --task long --arms trl_grpo defaults --memory --out DIR
     python benchmarks/sample_efficiency --task tools_env --arms defaults trl_grpo --out DIR
+    python benchmarks/sample_efficiency --task gem_guess --arms trl_grpo defaults --arm vl:critic=value_lora --out DIR
     python benchmarks/sample_efficiency --list-arms
 
 An *arm* is a name for a way to train: config overrides on top of the task's settings, which
 trainer runs them (``TRAINERS``: ``ours``, this package's PPOTrainer; ``trl112``, TRL 1.12's own
-``trl.experimental.ppo.PPOTrainer``; ``trl_grpo``, TRL's own ``trl.GRPOTrainer``, see below) and
+``trl.experimental.ppo.PPOTrainer``; ``trl_grpo``, TRL's own ``trl.GRPOTrainer``, see ``trl_grpo.py``) and
 which reward variant of the task it trains on (``default``; the
 synthetic task also has the reward variants ``process``, ``process_prefix``, ``final`` and ``other_vocab``,
 see ``REWARD_VARIANTS``: the true reward as per-token or final reward functions, an RM of another
@@ -27,10 +28,10 @@ if it has a TRL with a PPO trainer; without one the arm is left out with a note)
 rollout batch: ``update``, ``episode`` = completions so far, ``reward``, ``scored`` = completions
 measured, ``kl``, ``entropy``, ...) to ``DIR/<task>/<arm>/<seed>.jsonl`` and a last row
 ``{"done": true, "train_s": ..., "updates": ...}`` (``train_s``: the wall seconds of
-``trainer.train()``); a run that raises, times out, stops early or logs a non-finite value is
-kept as *crashed* (its file ends ``{"done": true, "crashed": true, "reason": ...}``), never
-dropped. Complete files are skipped, so an interrupted benchmark resumes where it stopped
-(``--rerun-crashed`` runs crashed ones again).
+``trainer.train()``; a row's ``time_s``: those seconds when its update ended); a run that raises,
+times out, stops early or logs a non-finite value is kept as *crashed* (its file ends ``{"done":
+true, "crashed": true, "reason": ...}``), never dropped. Complete files are skipped, so an
+interrupted benchmark resumes where it stopped (``--rerun-crashed`` runs crashed ones again).
 
 The tasks (``TASKS``, one module each under ``tasks/``: ``synthetic``, ``verifiable``, ``long``,
 ``multiturn``, ``tools_env``, ``gem_guess``) say what their runs share and what their ``reward`` is. TRL 1.12's
