@@ -39,7 +39,7 @@ LAST_TURN = "Done.<|im_end|>"  # the policy's turn after the game ended
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
 REWARD_NAME = "GemGuessTheNumber"  # the environment class: rewards/<name>/mean is its return
 PPO_SETTINGS = dict(
-    total_episodes=512,  # 16 updates of 32
+    total_episodes=1024,  # 32 updates of 32
     per_device_train_batch_size=16,
     gradient_accumulation_steps=2,
     num_mini_batches=2,
@@ -52,7 +52,7 @@ PPO_SETTINGS = dict(
     stop_token="eos",
     local_rollout_forward_batch_size=32,
 )
-SPEC = TaskSpec(episodes=512, hidden_size=32, reward_name="episode return (win 1, -0.1 a move without a number)",
+SPEC = TaskSpec(episodes=1024, hidden_size=32, reward_name="episode return (1 = win)",
                 batch_size=32, refused={"trl112": "the gem_guess task needs environment_factory, which TRL 1.12's "
                                                   "PPOTrainer does not take."})
 
