@@ -29,7 +29,7 @@ The pieces:
 4. ``multiturn_reward``: the reward function (GRPO's calling convention), reading the
    ``first_answer`` / ``second_answer`` columns the rollout function returns.
 
-Used by ``examples/ppo_multiturn.py``, ``benchmarks/sample_efficiency.py`` (task ``multiturn``)
+Used by ``examples/ppo_multiturn.py``, ``benchmarks/sample_efficiency/`` (task ``multiturn``)
 and the tests (which put ``examples/`` on ``sys.path``).
 """
 

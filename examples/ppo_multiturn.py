@@ -24,7 +24,7 @@ Nothing is downloaded. The run:
 
 Why these settings: the ones of ``examples/ppo_lora.py``'s demo (LoRA r 8, alpha 16, lr 5e-3),
 with ``kl_coef`` 0.02 (the reward is at most 1 and comes once per episode), and the package's
-``gamma`` 1 and ``lam`` 0.95, which ``benchmarks/sample_efficiency.py --task multiturn`` also uses
+``gamma`` 1 and ``lam`` 0.95, which ``benchmarks/sample_efficiency --task multiturn`` also uses
 to compare GAE over the action tokens with stepping through the environment's tokens.
 """
 

@@ -192,7 +192,7 @@ def record_optimizer_steps():
 
 @pytest.fixture(scope="session")
 def se():
-    """``benchmarks/sample_efficiency.py`` as a module, with ``examples/`` importable (its tasks)."""
+    """The ``benchmarks/sample_efficiency/`` package (its public names), with ``examples/`` importable (its tasks)."""
     root = Path(__file__).resolve().parents[1]
     for path in (root / "benchmarks", root / "examples"):
         if str(path) not in sys.path:

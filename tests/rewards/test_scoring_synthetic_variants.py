@@ -1,4 +1,4 @@
-"""The synthetic task's reward variants of issue 22 (benchmarks/sample_efficiency.py): the
+"""The synthetic task's reward variants of issue 22 (benchmarks/sample_efficiency/): the
 ``process`` reward spreads the true reward over the tokens (each nice word's share on its token,
 the stop bonus on the <eos>) and sums to it; ``final`` is that sum as a number; the
 ``other_vocab`` reward model's tokenizer gives every word another id. Expected values by hand."""

@@ -1,0 +1,52 @@
+"""benchmarks/sample_efficiency/critics.py: the critic of each arm, chosen in one place."""
+
+def test_shared_actor_critic_has_a_value_head_only_when_the_estimator_trains_a_critic(se, tmp_path):
+    from peft import LoraConfig
+
+    from trl_ppo_ext import PPOConfig
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    built = {}
+    for estimator, generations in (("gae", 1), ("grpo", 4), ("reinforce_pp", 1)):
+        config = PPOConfig(output_dir=str(tmp_path), advantage_estimator=estimator, num_generations=generations,
+                           per_device_train_batch_size=4, report_to="none")
+        model = se.shared_actor_critic("shared", build_tiny_causal_lm(tok, hidden_size=8), lora, config)
+        built[estimator] = (model.has_value, any("value" in n for n, _ in model.named_parameters()))
+    # without a config (TRL's own config, or a PPOConfig before the estimators): a value head, as before
+    model = se.shared_actor_critic("shared", build_tiny_causal_lm(tok, hidden_size=8), lora)
+    built["no config"] = (model.has_value, any("value" in n for n, _ in model.named_parameters()))
+    assert built == {"gae": (True, True), "grpo": (False, False), "reinforce_pp": (False, False),
+                     "no config": (True, True)}
+
+
+def test_the_critic_of_each_arm_is_chosen_in_one_place(se):
+    """trl112 and "separate" get the loaded value model itself, every weight trained; "lora" the same
+    model with an adapter (only lora_* and score.* train); "shared" no value model, and the value
+    model is then never loaded."""
+    from peft import LoraConfig
+
+    from trl_ppo_ext.models.actor_critic import SharedActorCritic
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    loads = []
+
+    def value_model():
+        loads.append(1)
+        return build_tiny_scorer(tok, hidden_size=8)
+
+    for arm in (se.ARMS["trl112"], se.Arm(critic="separate")):
+        models = se.actor_and_critic(arm, "policy", lora, None, value_model)
+        assert models["model"] == "policy" and models["peft_config"] is lora and models["ref_model"] is None
+        assert all(p.requires_grad for p in models["value_model"].parameters())
+        assert not any("lora_" in n for n, _ in models["value_model"].named_parameters())
+    models = se.actor_and_critic(se.Arm(critic="lora"), "policy", lora, None, value_model)
+    trained = [n for n, p in models["value_model"].named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n or n.startswith("score.") for n in trained)
+    assert any(n.startswith("score.") for n in trained) and any("lora_" in n for n in trained)
+    assert len(loads) == 3
+    models = se.actor_and_critic(se.ARMS["defaults"], build_tiny_causal_lm(tok, hidden_size=8), lora, None, value_model)
+    assert isinstance(models["model"], SharedActorCritic) and models["value_model"] is None and len(loads) == 3
