@@ -60,7 +60,7 @@ step pytest_gpu 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider -k "not fp16_ov
 #     skipped step must leave the scaler consistent (no "unscale_() has already been called"
 #     on the next step) and halve the loss scale.
 step fp16_overflow 45 "$PY" -m pytest -q -m gpu -p no:cacheprovider -k fp16_overflow \
-    tests/test_trainer_precision.py
+    tests/trainer/test_trainer_precision.py
 
 # 2. Memory at 100M parameters (the CPU tables' shape) with longer sequences, bf16, all
 #    four set-ups; checkpointing off, then on.

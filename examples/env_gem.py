@@ -12,7 +12,7 @@ the episode's return, is what ``rewards/GemGuessTheNumber/mean`` logs (here 1.0 
 play the same number. GEM's ``reset(seed=)`` reseeds Python's and NumPy's global generators
 (``gem.utils.seeding.set_seed``); torch's, which the trainer samples with, is untouched.
 
-Used by ``examples/ppo_environments.py --env gem`` and tests/test_example_environments.py.
+Used by ``examples/ppo_environments.py --env gem`` and tests/end_to_end/test_example_environments.py.
 """
 
 from __future__ import annotations

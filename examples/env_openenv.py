@@ -15,7 +15,7 @@ return: 1.0 - 0.1 * (wrong guesses) for a win, -0.1 * (wrong guesses) otherwise.
 The target is drawn from ``random.Random(seed)``: the row's ``seed`` column makes the samples of
 a prompt play the same number.
 
-Used by ``examples/ppo_environments.py --env openenv`` and tests/test_example_environments.py.
+Used by ``examples/ppo_environments.py --env openenv`` and tests/end_to_end/test_example_environments.py.
 """
 
 from __future__ import annotations

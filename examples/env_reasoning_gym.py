@@ -10,7 +10,7 @@ goes through the dataset's columns.
 The answer is what the completion writes between ``<answer>`` and ``</answer>``
 (``reasoning_gym.utils.extract_answer``); a completion without the tags scores 0.0.
 
-Used by ``examples/ppo_environments.py --env reasoning_gym`` and tests/test_example_environments.py.
+Used by ``examples/ppo_environments.py --env reasoning_gym`` and tests/end_to_end/test_example_environments.py.
 """
 
 from __future__ import annotations

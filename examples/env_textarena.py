@@ -13,7 +13,7 @@ unfinished (the turn cap, or the length budget) scores 0.0.
 ``reset(**row)`` passes the row's ``seed``: the samples of a prompt play the same number.
 TextArena's ``reset(seed=)`` reseeds Python's global ``random``.
 
-Used by ``examples/ppo_environments.py --env textarena`` and tests/test_example_environments.py.
+Used by ``examples/ppo_environments.py --env textarena`` and tests/end_to_end/test_example_environments.py.
 """
 
 from __future__ import annotations

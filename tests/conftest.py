@@ -33,7 +33,7 @@ fixtures by name.
 ``two_process_runs -> (OUT, CompletedProcess)``
     One DDP launch of ``tests/scripts/ppo_two_process.py`` on 2 CPU processes (gloo), once per
     session: ``tiny_setup.TWO_PROCESS_MODES`` (tests/test_distributed.py) then
-    ``tiny_setup.DDP_REFERENCE_MODES`` (tests/test_fsdp2.py's DDP reference), each writing
+    ``tiny_setup.DDP_REFERENCE_MODES`` (tests/end_to_end/test_fsdp2.py's DDP reference), each writing
     ``OUT/<mode>/rank<k>.json`` (``rank<k>.error`` for the one that raised: no mode after it runs).
 
 The plain functions behind these live in ``tests/scripts/tiny_setup.py``, which the subprocess

@@ -3,8 +3,8 @@ metrics, keeps parameters in sync; also with peft_config and ref_model=None, whi
 TRL 1.12 ('DistributedDataParallel' object has no attribute 'policy'). One launch runs every
 mode in turn (its start-up, ~10 s of imports and gloo set-up, is paid once); each mode's test
 reads that mode's reports (the launch is a session fixture of tests/conftest.py: it also trains
-tests/test_fsdp2.py's DDP reference runs). Then the helpers of `trl_ppo_ext.distributed` (the DeepSpeed runs
-themselves are in tests/test_deepspeed.py)."""
+tests/end_to_end/test_fsdp2.py's DDP reference runs). Then the helpers of `trl_ppo_ext.distributed` (the DeepSpeed runs
+themselves are in tests/end_to_end/test_deepspeed.py)."""
 
 import json
 import math
@@ -21,7 +21,7 @@ from trl_ppo_ext.models import sharding
 pytestmark = pytest.mark.slow  # subprocess runs
 
 # One DDP launch (tests/conftest.py's session fixture `two_process_runs`) runs these modes in turn,
-# then tests/test_fsdp2.py's DDP reference runs.
+# then tests/end_to_end/test_fsdp2.py's DDP reference runs.
 MODES = list(tiny_setup.TWO_PROCESS_MODES)
 
 
@@ -157,7 +157,7 @@ def test_gathered_and_full_state_are_plain_copies_without_zero3():
     assert sharding.full_state(layer.named_parameters(), keep=False) == {}
 
 
-# ---------------------------------------------------------------------- FSDP launches (tests/test_fsdp2.py runs one)
+# ---------------------------------------------------------------------- FSDP launches (tests/end_to_end/test_fsdp2.py runs one)
 def _fsdp_env(monkeypatch, version="2", world="2"):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -384,7 +384,7 @@ def test_one_ppo_update_on_the_cpu_matches_the_model(make_trainer, make_prompts)
 
     # Tensors that earlier tests left in reference cycles are alive until the next collection,
     # which may come in the middle of this run: collect them first, so that the peaks below are
-    # this trainer's (after tests/test_conformance.py the generation peak read 2.6x the model).
+    # this trainer's (after tests/end_to_end/test_conformance.py the generation peak read 2.6x the model).
     gc.collect()
     with M.live_tensor_bytes() as live:
         live.count_existing()

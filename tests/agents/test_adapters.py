@@ -1,7 +1,7 @@
 """agents/adapters.py: a gym-style or OpenEnv environment as an environment_factory class -- its one
 tool and schema, reset(**row) seeding from the row, step rewards kept and summed, the end of an
 episode, and the class through Environments and the tool executor. Hand-written environments stand
-in for the packages (tests/test_example_environments.py runs the packages themselves)."""
+in for the packages (tests/end_to_end/test_example_environments.py runs the packages themselves)."""
 
 import json
 

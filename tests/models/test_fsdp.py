@@ -1,6 +1,6 @@
 """``trl_ppo_ext.models.fsdp`` in this process: the FSDP2 units the policy/value modules name, and,
 on a one-process gloo group (``fully_shard`` with a mesh of one: DTensors and hooks as on many
-processes, without the sharding, which tests/test_fsdp2.py runs on two), the policy gathered for
+processes, without the sharding, which tests/end_to_end/test_fsdp2.py runs on two), the policy gathered for
 generation, the checks that refuse a layout FSDP2 cannot run, and the full optimizer state."""
 
 import pytest

@@ -1,7 +1,7 @@
 """SIGTERM: the watcher (a real signal to this process), the in-flight update's file, and
 trainer runs stopped by a real SIGTERM between two optimizer steps, at an epoch's end and at
 an update's end, each resumed and compared with an uninterrupted run. The subprocess test that
-the program exits 0 is in tests/test_trainer_run_control.py."""
+the program exits 0 is in tests/trainer/test_trainer_run_control.py."""
 
 import json
 import os

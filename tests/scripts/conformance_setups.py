@@ -1,8 +1,8 @@
 """Model set-ups users bring to a TRL PPO script, and one run of either trainer on them.
 
-tests/test_conformance.py runs every row of its matrix through :func:`run` twice, once with
+tests/end_to_end/test_conformance.py runs every row of its matrix through :func:`run` twice, once with
 ``trl_ppo_ext.PPOTrainer`` and once with TRL's own (where TRL 1.12 or older is installed);
-tests/test_deepspeed.py runs the "llama+custom-critic" row under "fp32" inside its ZeRO-3 launch
+tests/end_to_end/test_deepspeed.py runs the "llama+custom-critic" row under "fp32" inside its ZeRO-3 launch
 (``ppo_deepspeed.py --also-conformance``, the models built beforehand by :func:`build_row_models`).
 Run as a script, it is the issue-18 report: a custom critic under the default config
 (``python tests/scripts/conformance_setups.py [--trainer trl] [--row SETUP VARIATION] [--out DIR]``;

@@ -1,5 +1,5 @@
 """PPO runs for `accelerate launch` with 2 CPU processes, plain DDP or DeepSpeed ZeRO-2/3
-(see tests/test_deepspeed.py). One main run per call, plus optional follow-ups:
+(see tests/end_to_end/test_deepspeed.py). One main run per call, plus optional follow-ups:
 
     ppo_deepspeed.py OUT TAG [--shared] [--updates N] [--save] [--kill-in-update K] [--resume]
                              [--wait-for-sigterm-in-update K] [--run-dir NAME] [--resume-check K]

@@ -1,5 +1,5 @@
 """PPO runs for `accelerate launch --config_file examples/accelerate_configs/fsdp2.yaml` with 2 CPU
-processes (see tests/test_fsdp2.py); the same runs under plain DDP are modes of
+processes (see tests/end_to_end/test_fsdp2.py); the same runs under plain DDP are modes of
 tests/scripts/ppo_two_process.py (``run_layout`` here), the reference the tests compare with.
 
     ppo_fsdp2.py OUT LAYOUT [LAYOUT ...] [--resume-check K] [--probe-generation]

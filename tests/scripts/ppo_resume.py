@@ -1,4 +1,4 @@
-"""Exact-resume scenario, one process per call (see tests/test_trainer_run_control.py).
+"""Exact-resume scenario, one process per call (see tests/trainer/test_trainer_run_control.py).
 
     ppo_resume.py OUT straight         6 updates in one go
     ppo_resume.py OUT killed           checkpoints every update, SIGKILLs itself during update 4

@@ -1,5 +1,5 @@
 """Short PPO runs meant for `accelerate launch` with 2 CPU processes (see tests/test_distributed.py
-and tests/test_fsdp2.py).
+and tests/end_to_end/test_fsdp2.py).
 
     ppo_two_process.py OUT MODE [MODE ...]
 

@@ -83,7 +83,7 @@ def record_optimizer_steps(trainer):
 
 
 # The modes of tests/scripts/ppo_two_process.py's one DDP launch (tests/conftest.py's
-# ``two_process_runs``): tests/test_distributed.py's, then the DDP runs tests/test_fsdp2.py compares
+# ``two_process_runs``): tests/test_distributed.py's, then the DDP runs tests/end_to_end/test_fsdp2.py compares
 # FSDP2 with (the layouts of tests/scripts/ppo_fsdp2.py, trained under DDP).
 TWO_PROCESS_MODES = ("separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools")
 DDP_REFERENCE_MODES = ("ddp_separate", "ddp_shared", "ddp_value_adapter")
@@ -168,7 +168,7 @@ def two_turn_rollout(tokenizer, first_turn=2, reply_length=2, reply_words=10):
     return rollout_func
 
 
-# ---------------------------------------------------------------- tools (tests/test_trainer_tools.py)
+# ---------------------------------------------------------------- tools (tests/trainer/test_trainer_tools.py)
 TOOL_CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
 
 

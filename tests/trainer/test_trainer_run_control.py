@@ -14,7 +14,7 @@ from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.tiny import build_tiny_tokenizer
 
-SCRIPT = Path(__file__).parent / "scripts" / "ppo_resume.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "ppo_resume.py"
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_save_total_limit_keeps_the_pre_ppo_checkpoint(tmp_path, make_run):
 
 def _run(out, mode, *flags):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "PYTHONPATH": str(Path(__file__).parents[1])}
+           "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.run([sys.executable, str(SCRIPT), str(out), mode, *flags], capture_output=True, text=True,
                           env=env, timeout=600)
 

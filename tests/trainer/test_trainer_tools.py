@@ -11,7 +11,7 @@ import torch
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import tiny_setup  # noqa: E402
 from tiny_setup import TOOL_CALL as CALL  # noqa: E402
 from tiny_setup import multiply, scripted_continuations, tool_config, tool_dataset  # noqa: E402

@@ -225,7 +225,7 @@ def test_a_resumed_run_with_a_custom_critic_trains_on_and_warns_once(tmp_path, m
 
 
 # The ZeRO-3 path (a custom critic on 2 processes, one warning for the run) is
-# tests/test_deepspeed.py::test_deepspeed_zero3_with_a_custom_critic_trains_and_warns_once: the row
+# tests/end_to_end/test_deepspeed.py::test_deepspeed_zero3_with_a_custom_critic_trains_and_warns_once: the row
 # runs inside that file's ZeRO-3 launch, which saves a launch of its own.
 
 

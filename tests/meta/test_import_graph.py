@@ -1,7 +1,7 @@
 """The package's import graph has no circles: every module imports in a fresh interpreter,
 in alphabetical order and in reverse (a circle breaks one of the two with a partially
 initialised module), and the graph of ``from . import`` statements, lazy ones included, is
-acyclic. Run it alone as the check of the layout: ``pytest tests/test_import_graph.py``."""
+acyclic. Run it alone as the check of the layout: ``pytest tests/meta/test_import_graph.py``."""
 
 import ast
 import os

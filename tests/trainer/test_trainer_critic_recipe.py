@@ -1,7 +1,7 @@
 """Issue 21 wired: the critic-recipe fields of PPOConfig (value_lam, lam_length_alpha,
 cliprange_high, dual_clip) reach compute_targets / ppo_loss through the trainer, the clip
 fractions by side are logged, and every field is off by default. The math itself is tested
-in test_critic_recipe.py."""
+in tests/math/test_functional_critic_recipe.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ppo_multiturn.py"
 sys.path.insert(0, str(ROOT / "examples"))
 

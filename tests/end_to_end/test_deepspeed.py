@@ -36,7 +36,7 @@ pytestmark = [
                        reason="DeepSpeed is not installed (pip install -e '.[test,deepspeed]')"),
 ]
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ppo_deepspeed.py"
 CONFIGS = ROOT / "examples" / "accelerate_configs"
 DDP = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]  # with ACCELERATE_USE_CPU=1 (gloo)
@@ -262,7 +262,7 @@ def test_zero3_resumes_exactly_and_saves_full_weights(zero3):
 
 
 def test_deepspeed_zero3_with_a_custom_critic_trains_and_warns_once(zero3):
-    """The conformance row "llama+custom-critic" under "fp32" (tests/test_conformance.py's
+    """The conformance row "llama+custom-critic" under "fp32" (tests/end_to_end/test_conformance.py's
     matrix), run by ZeRO-3 on 2 CPU processes: generation gathers the policy inside TRL's
     context, which re-enables checkpointing on exit; it trains 2 updates, saves and reloads
     the policy; one warning for the run, not one per process."""

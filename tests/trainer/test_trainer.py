@@ -184,7 +184,7 @@ def test_missing_eos_penalty_uses_the_configured_stop_token():
 def test_error_dataset_without_input_ids(make_trainer):
     from datasets import Dataset
 
-    # a `prompt` column is rendered by the trainer (tests/test_grpo_script.py); anything else is named
+    # a `prompt` column is rendered by the trainer (tests/end_to_end/test_grpo_script.py); anything else is named
     with pytest.raises(ValueError, match=r"`train_dataset` has neither an `input_ids` column nor a prompt column .*"
                                          r"its columns: \['text'\]"):
         make_trainer(train_dataset=Dataset.from_dict({"text": ["a", "b"]}))

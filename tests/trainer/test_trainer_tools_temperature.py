@@ -7,7 +7,7 @@ import trl_ppo_ext.generation.transformers_generate as generate_module
 from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tiny_setup import multiply, tool_config, tool_dataset  # noqa: E402
 
 

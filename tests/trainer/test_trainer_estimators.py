@@ -85,7 +85,7 @@ def test_group_estimators_compose_with_episodes_over_the_action_tokens(make_trai
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from tiny_setup import two_turn_rollout
 
     from trl_ppo_ext.tiny import build_tiny_tokenizer

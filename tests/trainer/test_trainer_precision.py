@@ -35,7 +35,7 @@ def test_gradient_checkpointing_on_the_shared_actor_critic_trains(make_trainer, 
 
 
 def test_reentrant_checkpointing_with_a_value_adapter_is_refused_with_its_reason(make_trainer, tok, caplog):
-    """The default (non-reentrant) checkpointing holds with a value adapter (tests/test_trainer_dropin.py);
+    """The default (non-reentrant) checkpointing holds with a value adapter (tests/trainer/test_trainer_dropin.py);
     reentrant checkpointing cannot recompute under the right adapter: the run goes on without it."""
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
 

@@ -12,7 +12,7 @@ from trl_ppo_ext.models.actor_critic import SharedActorCritic
 from trl_ppo_ext.reporting import TIMING_KEYS
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tiny_setup import two_turn_rollout  # noqa: E402
 
 

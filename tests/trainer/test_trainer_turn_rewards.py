@@ -13,7 +13,7 @@ from trl_ppo_ext import PPOTrainer
 from trl_ppo_ext.agents import gym_environment
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_chat_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tiny_setup import TOOL_CALL as CALL  # noqa: E402
 from tiny_setup import scripted_continuations, tool_config  # noqa: E402
 

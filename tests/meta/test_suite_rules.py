@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 TEST_MODULES = sorted(TESTS.rglob("test_*.py"))
 SCRIPTS = sorted((TESTS / "scripts").glob("*.py"))
 EVERY_FILE = TEST_MODULES + [TESTS / "conftest.py"] + SCRIPTS
@@ -151,21 +151,37 @@ def test_the_checks_catch_what_they_look_for():
     assert CONFTEST_IMPORT.search("import conftest\n") and not CONFTEST_IMPORT.search("# see conftest's fixtures\n")
 
 
+# Folders that group tests by what they exercise, beside the folders that mirror package folders.
+MATH_MODULES = {"advantages", "functional", "losses", "kl_control", "gradients", "estimators", "estimator_table",
+                "off_policy"}
+GROUPS = {
+    "math": "the pure tensor modules (each file named for one of MATH_MODULES)",
+    "trainer": "PPOTrainer's own behaviour, phase by phase (test_trainer*.py)",
+    "end_to_end": "whole runs: the examples, the launches, the conformance matrix, TRL-style scripts",
+    "benchmarks": "the benchmarks under benchmarks/ (each file named for one of them)",
+    "meta": "the suite's own rules, the docs, the import graph, the doctests",
+}
+
+
 def test_the_test_folders_mirror_the_package_folders():
     """A newcomer finds a module's tests where the module is: ``tests/<folder>/`` holds the tests of
-    ``trl_ppo_ext/<folder>/`` (``tests/rewards/test_remote.py`` tests ``rewards/remote.py``), the flat
-    modules' tests and the end-to-end runs sit in ``tests/`` itself, and no folder of tests is left
-    without its package folder."""
+    ``trl_ppo_ext/<folder>/`` (``tests/rewards/test_remote.py`` tests ``rewards/remote.py``); the
+    groups in ``GROUPS`` hold the math, the trainer, the end-to-end runs, the benchmarks and the
+    suite's own rules; the other flat modules' tests sit in ``tests/`` itself; and no folder of tests
+    is left without its package folder or group."""
     package = TESTS.parent / "trl_ppo_ext"
     package_folders = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
     test_folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in {"scripts", "__pycache__"}}
-    assert test_folders == package_folders
-    for folder in test_folders:
-        modules = {p.stem for p in (package / folder).glob("*.py")}
-        names = [p.stem[len("test_"):] for p in (TESTS / folder).glob("test_*.py")]
-        assert names, folder
+    assert test_folders == package_folders | set(GROUPS)
+    flat_modules = {p.stem for p in package.glob("*.py")}
+    benchmarks = {p.stem for p in (TESTS.parent / "benchmarks").iterdir() if p.suffix == ".py" or p.is_dir()}
+    assert MATH_MODULES <= flat_modules
+    named_for = {"math": MATH_MODULES, "trainer": {"trainer"}, "benchmarks": benchmarks}
+    for folder in test_folders - {"end_to_end", "meta"}:
         # each file is named for a module of its folder, or (generation/) for the vLLM engines and
         # the generation layer as a whole
-        named = modules | {"generation", "vllm"}
+        named = named_for.get(folder) or {p.stem for p in (package / folder).glob("*.py")} | {"generation", "vllm"}
+        names = [p.stem[len("test_"):] for p in (TESTS / folder).glob("test_*.py")]
+        assert names, folder
         strays = [n for n in names if not any(n == m or n.startswith(m + "_") for m in named)]
-        assert strays == [], f"tests/{folder}: {strays} name no module of trl_ppo_ext/{folder}/"
+        assert strays == [], f"tests/{folder}: {strays} name nothing of {sorted(named)}"

@@ -19,7 +19,7 @@ from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny
 
 pytestmark = pytest.mark.slow  # subprocess runs
 
-SCRIPT = Path(__file__).parent / "scripts" / "ppo_trl_style.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "ppo_trl_style.py"
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def script_runs(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("dropin_runs")
     configs = [[name, _script_args(assets, root / name / "out", *config)] for name, config in CONFIGS.items()]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "PYTHONPATH": str(Path(__file__).parents[1])}
+           "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(SCRIPT), str(root), json.dumps(configs)],
                           capture_output=True, text=True, env=env, timeout=1200)
     return root, proc

@@ -22,7 +22,7 @@ from trl_ppo_ext.reporting import TIMING_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.launches]  # subprocess runs
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ppo_fsdp2.py"
 CONFIG = ROOT / "examples" / "accelerate_configs" / "fsdp2.yaml"
 LAYOUTS = ["separate", "shared", "value_adapter"]
