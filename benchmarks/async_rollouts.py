@@ -13,7 +13,8 @@ does), with one intra-op thread each. Every arm trains the same policy on the sa
   policy  a random Llama (``trl_ppo_ext.tiny``: hidden 128, 4 layers, 2 heads of 64, MLP 512, a
           14-token vocabulary of 8 words and the special tokens, 128 positions), LoRA r=8 on
           q/k/v/o plus a value head on the same base (``SharedActorCritic``); the server holds the
-          base, the trainer pushes the adapter after each update (``vllm_server_weight_sync="auto"`` on a CPU: adapter files);
+          base, the trainer pushes the adapter after each update (``vllm_server_weight_sync="auto"``
+          on a CPU: adapter files);
   task    prompts of 2-5 random words; the reward is the share of the ``--response-length``
           response positions that hold the word ``w3`` (a reward function, so nothing but the
           policy and its value head is trained). Responses stop at ``<eos>`` (the server and the
