@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "async_rollouts.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "async_rollouts.py"
 
 
 @pytest.fixture(scope="module")
