@@ -178,13 +178,13 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
                 "with_value=False builds an actor-critic without a critic, and a value_head, value_lora_config or "
                 "value_branch_layer was given too. Drop them, or pass with_value=True."
             )
-        self.policy = self._wrap_policy(base_model, lora_config)
-        self.policy_adapter = self.policy.active_adapter
         self.value_branch_layer = None
-        if value_branch_layer is not None:
-            base = self.policy.get_base_model()
+        if value_branch_layer is not None:  # refused before peft changes the caller's model
+            base = base_model.get_base_model() if isinstance(base_model, PeftModel) else base_model
             self.value_branch_layer = branch_critic.resolve_branch_layer(
                 value_branch_layer, branch_critic.num_decoder_layers(base))
+        self.policy = self._wrap_policy(base_model, lora_config)
+        self.policy_adapter = self.policy.active_adapter
         self.value_adapter = self._add_value_adapter(value_lora_config)
         if not with_value:
             if self.value_adapter is not None:
