@@ -265,3 +265,21 @@ def test_assembly_builds_the_branch_from_the_value_adapter_flag_only():
     with pytest.raises(ValueError, match="no critic is trained"):
         build_policy_and_value(build_base(), None, config, with_value=False, value_adapter=True,
                                value_branch_layer=2)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_values_alone_train_the_critic_as_the_forward_does(checkpointing, batch):
+    """With gradients (and checkpointing, which recomputes each layer under the adapter it ran with):
+    the values-alone pass gives the critic the gradients ``forward`` gives it, and the policy none."""
+    ids, mask, positions = batch
+    grads = []
+    for values_alone in (False, True):
+        model = branch_model(layer=2).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        values = value_forward(model, ids, mask, positions) if values_alone else model(ids, mask, positions)[1]
+        (values - 1.0).pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and not any(".default." in n for n in grads[1])
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
