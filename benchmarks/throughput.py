@@ -27,6 +27,11 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
   shared_vlora
             ``shared`` with a value adapter of its own (``value_lora_config``, the same rank
             and targets): a second backbone pass for the values (not in the default run).
+  shared_branch_mid, shared_branch_3q
+            ``shared_vlora`` with the critic branching from the policy's pass (``value_branch_layer``,
+            ``models.branch_critic``) at the middle layer or at 3/4 of the layers (6 or 9 of the 100m
+            size's 12): its adapter on the layers above only, costing those layers instead of a second
+            backbone pass (not in the default run; ``_kl0`` arms as below).
   shared_grpo, shared_kl0, shared_vlora_kl0
             the forward-savings arms (not in the default run): the shared LoRA layout with
             ``advantage_estimator="grpo"``, ``num_generations=4`` (``--num-generations``) and
@@ -134,7 +139,8 @@ DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one war
 # (upstream accepts the flag and never applies it, so it needs no such arm); "_vllm": use_vllm=True.
 CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
               "shared_vlora", "separate_vllm", "shared_vllm", "shared_grpo", "shared_grpo_scored", "shared_kl0",
-              "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "trl_grpo")
+              "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "shared_branch_mid",
+              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo")
 DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
                       "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
@@ -145,7 +151,11 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
           "separate_vllm": "separate + vLLM", "shared_vllm": "shared + vLLM",
           "shared_grpo": "grpo, kl 0", "shared_grpo_scored": "grpo, kl 0, scored", "shared_kl0": "shared, kl 0",
           "shared_kl0_scored": "shared, kl 0, scored", "shared_vlora_kl0": "value LoRA, kl 0",
-          "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "trl_grpo": "TRL 1.16 GRPO"}
+          "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "shared_branch_mid": "branch at 1/2",
+          "shared_branch_mid_kl0": "branch 1/2, kl 0", "shared_branch_3q": "branch at 3/4",
+          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO"}
+# where the branch critic arms branch, as a fraction of the decoder's layers (value_branch_layer = int(N * f))
+BRANCH_AT = {"shared_branch_mid": 1 / 2, "shared_branch_3q": 3 / 4}
 NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
@@ -473,8 +483,11 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
         value_lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=lora.target_modules)
         config = PPOConfig(**cfg)
-        model = SharedActorCritic(models.fresh("policy"), lora_config=lora, with_value=config.trains_critic,
-                                  value_lora_config=value_lora if contender == "shared_vlora" else None)
+        policy = models.fresh("policy")
+        branch = int(policy.config.num_hidden_layers * BRANCH_AT[contender]) if contender in BRANCH_AT else None
+        own_adapter = contender == "shared_vlora" or branch is not None
+        model = SharedActorCritic(policy, lora_config=lora, with_value=config.trains_critic,
+                                  value_lora_config=value_lora if own_adapter else None, value_branch_layer=branch)
         trainer = cls(args=config, model=model, ref_model=None, value_model=None,
                       reward_model=models.fresh("reward"), **common)
     if scored and hasattr(trainer, "scoring"):  # code before the forward savings (which has no `scoring`) always scores

@@ -188,6 +188,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             The folder the ``"adapter"`` / ``"files"`` weight sync writes to, seen by the server
             under the same path (a shared mount for a server on another machine). None: a new
             temporary folder (a server on this machine).
+        value_branch_layer (`int` or `None`, defaults to `None`):
+            With ``use_value_adapter=True``: the critic branches from the policy's own pass at the
+            input of this decoder layer (negative: counted from the top, ``-1`` = the last layer).
+            Its adapter covers the layers from there up only, and the layers below are the
+            policy's, detached (the value loss never reaches the policy's adapter), so the critic
+            costs those layers instead of a second backbone pass (``models.branch_critic``; Llama,
+            Mistral, Qwen2, Qwen3; docs/critic.md). None: the value adapter runs the whole backbone.
     """
 
     entropy_coef: float = field(
@@ -356,6 +363,12 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         default="group",
         metadata={"help": "advantage_estimator='grpo' only, TRL GRPO's values: 'group' (or True, default) divides "
             "by the group's std, 'batch' by the batch's std, 'none' (or False) does not scale (Dr. GRPO)."},
+    )
+    value_branch_layer: int | None = field(
+        default=None,
+        metadata={"help": "With use_value_adapter: the critic branches from the policy's pass at the input of this "
+            "decoder layer (negative: from the top), its adapter on the layers above only, the layers below "
+            "shared and detached; costs those layers instead of a second backbone pass. None: the whole backbone."},
     )
 
     max_staleness: int = field(

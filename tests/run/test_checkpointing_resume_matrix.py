@@ -7,7 +7,8 @@ the data. It checkpoints after every update; each checkpoint, resumed in a fresh
 end with the same trainable weights and the same logged metrics as the run that never stopped.
 
 The same with a value adapter of the critic's own (``value_lora_config``): its weights and AdamW state
-come back too, and it recomputes under TRL's default gradient checkpointing.
+come back too, and it recomputes under TRL's default gradient checkpointing. And with that adapter on the
+layer above a branch of the policy's pass only (``value_branch_layer=1`` of the tiny model's 2 layers).
 
 Before the fix, the completions table drew from the training RNG after the checkpoint had
 captured it, so a resumed run sampled other responses (max |diff| of the final weights ~1e-2).
@@ -33,12 +34,13 @@ def shorter_is_better(completions, **kwargs):
     return [1.0 / (1.0 + len(c.split())) for c in completions]
 
 
-def build(out_dir, value_adapter=False):
+def build(out_dir, layout="shared"):
     tok = build_tiny_tokenizer(pad_equals_eos=True)
     torch.manual_seed(0)  # the LoRA and value-head initialisations draw from the global RNG
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = SharedActorCritic(build_tiny_causal_lm(tok, seed=0), lora_config=lora,
-                              value_lora_config=lora if value_adapter else None)
+                              value_lora_config=None if layout == "shared" else lora,
+                              value_branch_layer=1 if layout == "branch" else None)
     args = PPOConfig(
         output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
         num_ppo_epochs=2, total_episodes=4 * UPDATES, response_length=6, local_rollout_forward_batch_size=4,
@@ -63,14 +65,14 @@ def update_logs(trainer):
             if "objective/scores" in h]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["shared", "value_adapter"])
+@pytest.fixture(scope="module", params=["shared", "value_adapter", "branch"])
 def straight(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("straight")
-    trainer = build(root / "out", value_adapter=request.param)
+    trainer = build(root / "out", layout=request.param)
     trainer.train()
     assert trainer.state.global_step == UPDATES
     assert any("eval/rm_score" in h for h in update_logs(trainer))  # the held-out evaluation ran
-    if request.param:
+    if request.param != "shared":
         assert trainer.unwrapped.is_gradient_checkpointing  # TRL's default, with the adapter's recompute
         assert any(".value." in k for k in trainable(trainer))
     return root / "out", trainable(trainer), update_logs(trainer), request.param
@@ -79,10 +81,10 @@ def straight(tmp_path_factory, request):
 @pytest.mark.slow  # four tiny runs
 @pytest.mark.parametrize("step", range(UPDATES))
 def test_resume_from_every_checkpoint_ends_equal_to_the_straight_run(tmp_path, straight, step):
-    out, final, logs, value_adapter = straight
+    out, final, logs, layout = straight
     saved = tmp_path / f"checkpoint-{step}"
     shutil.copytree(out / f"checkpoint-{step}", saved)
-    resumed = build(tmp_path / "resumed", value_adapter=value_adapter)
+    resumed = build(tmp_path / "resumed", layout=layout)
     resumed.train(resume_from_checkpoint=str(saved))
     params = trainable(resumed)
     assert params.keys() == final.keys()

@@ -4,6 +4,7 @@ sharded parameters.
 
 ``actor_critic``  ``SharedActorCritic``: LoRA policy + value head on one frozen base;
                   reference = adapter off; optional value adapter
+``branch_critic`` the value adapter on the layers above a branch of the policy's pass only
 ``policy_value``  ``PolicyAndValue``: separate policy and value models; backbone/score reading
 ``loading``       ``load_actor_critic``, ``load_reward_model``: from a hub id or a folder
 ``quantization``  nf4 configs, 4-bit models made safe on the CPU

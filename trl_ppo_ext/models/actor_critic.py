@@ -39,6 +39,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from . import branch_critic
 from .fsdp import is_fsdp2_model, unit_class_names
 from .policy_value import (
     GeneratesWithPolicy,
@@ -124,6 +125,10 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
     second backbone pass (without the LM head) with that adapter active: about 2x the
     forward/backward compute and activation memory of the default, plus one adapter of
     weights and optimizer state; in exchange the value loss cannot disturb the policy.
+    With ``value_branch_layer=k`` the value adapter covers layers ``k..N-1`` only and the critic
+    branches from the policy's own pass at the input of layer ``k``, detached: it costs those
+    ``N - k`` layers instead of a whole backbone (``models.branch_critic``; Llama, Mistral, Qwen2,
+    Qwen3).
     Gradient checkpointing holds with a value adapter: a checkpointed layer recomputes during
     backward, when another adapter may be active, so each one recomputes under the adapter
     that was active when it ran forward (torch's non-reentrant ``context_fn``); gradients are
@@ -146,24 +151,38 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
             value: GRPO, RLOO, REINFORCE++): no value head and no value adapter exist, and
             ``forward`` runs the policy alone and returns values of 0. The reference is the
             adapter off, as with a critic.
+        value_branch_layer: with a value adapter, the decoder layer whose input the critic
+            branches from (negative: counted from the top; see ``models.branch_critic``); the
+            value adapter's ``layers_to_transform`` is set to the layers from there up. None:
+            the value adapter runs the whole backbone.
 
     Raises:
         ValueError: a PeftModel together with ``lora_config``; a value head of the wrong
             shape; reentrant gradient checkpointing together with a value adapter; a value
-            head, a value adapter or ``value_lora_config`` with ``with_value=False``.
+            head, a value adapter or ``value_lora_config`` with ``with_value=False``;
+            ``value_branch_layer`` without a value adapter, out of range, on a family
+            ``models.branch_critic`` does not support, or with a value adapter on layers
+            below it.
     """
 
     is_actor_critic = True
 
     def __init__(self, base_model: nn.Module, lora_config: LoraConfig | None = None,
                  value_head: nn.Linear | None = None,
-                 value_lora_config: LoraConfig | None = None, with_value: bool = True):
+                 value_lora_config: LoraConfig | None = None, with_value: bool = True,
+                 value_branch_layer: int | None = None):
         super().__init__()
-        if not with_value and (value_head is not None or value_lora_config is not None):
+        if not with_value and (value_head is not None or value_lora_config is not None
+                               or value_branch_layer is not None):
             raise ValueError(
-                "with_value=False builds an actor-critic without a critic, and a value_head or value_lora_config "
-                "was given too. Drop them, or pass with_value=True."
+                "with_value=False builds an actor-critic without a critic, and a value_head, value_lora_config or "
+                "value_branch_layer was given too. Drop them, or pass with_value=True."
             )
+        self.value_branch_layer = None
+        if value_branch_layer is not None:  # refused before peft changes the caller's model
+            base = base_model.get_base_model() if isinstance(base_model, PeftModel) else base_model
+            self.value_branch_layer = branch_critic.resolve_branch_layer(
+                value_branch_layer, branch_critic.num_decoder_layers(base))
         self.policy = self._wrap_policy(base_model, lora_config)
         self.policy_adapter = self.policy.active_adapter
         self.value_adapter = self._add_value_adapter(value_lora_config)
@@ -213,8 +232,21 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
     def _add_value_adapter(self, value_lora_config: LoraConfig | None) -> str | None:
         """Add the critic's LoRA adapter (trainable, inactive); its name, or None if off."""
         exists = VALUE_ADAPTER_NAME in self.policy.peft_config
+        k = self.value_branch_layer
         if value_lora_config is None:
+            if k is not None and not exists:
+                raise ValueError(
+                    f"value_branch_layer={k} gives the value adapter the layers above the branch, and there is no "
+                    "value adapter: pass value_lora_config=LoraConfig(...) (use_value_adapter=True in PPOConfig), or "
+                    "value_branch_layer=None."
+                )
+            if k is not None:
+                branch_critic.check_adapter_above_branch(
+                    self.policy.peft_config[VALUE_ADAPTER_NAME].layers_to_transform, k)
             return VALUE_ADAPTER_NAME if exists else None
+        if k is not None:
+            num_layers = branch_critic.num_decoder_layers(self.policy.get_base_model())
+            value_lora_config = branch_critic.branch_lora_config(value_lora_config, k, num_layers)
         if exists:
             raise ValueError(
                 f"value_lora_config was given but the policy already has an adapter named "
@@ -265,12 +297,16 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
         head = self.policy.get_base_model().get_output_embeddings()
         hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
         try:
-            output = self.policy(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, **kwargs)
+            with self._branch_capture() as branch_inputs:  # the upper layers' inputs, for a branch critic
+                output = self.policy(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids, **kwargs)
         finally:
             hook.remove()
         if self.value_adapter is None:
             hidden = captured[-1]  # (B, k, H), after the final norm
+        elif self.value_branch_layer is not None:
+            hidden = self._branch_hidden_states(branch_inputs)
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:
             hidden = self._value_hidden_states(input_ids, attention_mask, position_ids)
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
@@ -279,8 +315,25 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return output.logits, values.float()
 
-    def _value_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """Final hidden states with the value adapter active. Shape: (B, L, H)."""
+    def _branch_capture(self) -> contextlib.AbstractContextManager:
+        """Around the policy's pass: record the inputs of the layers above the branch (a list), or
+        nothing (None) without a branch critic."""
+        if self.value_branch_layer is None:
+            return contextlib.nullcontext()
+        layers, _ = branch_critic.decoder_stack(self.policy.get_base_model())
+        return branch_critic.capture_layer_inputs(layers, self.value_branch_layer)
+
+    def _branch_hidden_states(self, branch_inputs: list) -> torch.Tensor:
+        """The branch critic's final hidden states from the policy pass's record: the layers above
+        the branch under the value adapter, the branch detached. Shape: (B, L, H)."""
+        self._check_value_pass()
+        layers, norm = branch_critic.decoder_stack(self.policy.get_base_model())
+        with self._active_adapter(self.value_adapter):
+            return branch_critic.run_layers_above(layers, norm, self.value_branch_layer, branch_inputs)
+
+    def _check_value_pass(self) -> None:
+        """Refuse a value pass that checkpointing would recompute under the wrong adapter, or that
+        FSDP2 cannot run."""
         if torch.is_grad_enabled() and self.is_gradient_checkpointing and not self._recomputes_under_its_adapter():
             raise RuntimeError(
                 "activation checkpointing was turned on on the base model directly: its layers would recompute "
@@ -288,7 +341,25 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
                 "SharedActorCritic.gradient_checkpointing_enable(), which makes each layer recompute under the "
                 "adapter it ran forward with."
             )
+        if self.value_branch_layer is not None and is_fsdp2_model(self.policy.get_base_model()):
+            raise NotImplementedError(
+                "value_branch_layer under FSDP2: the critic calls the decoder layers above the branch and the "
+                "final norm outside the backbone's forward, which FSDP2's units do not gather for. Use "
+                "value_branch_layer=None (the full value adapter), or train under DDP or DeepSpeed."
+            )
+
+    def _value_hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """Final hidden states with the value adapter active (with a branch: from the branch up, the
+        layers below under the policy adapter). Shape: (B, L, H)."""
+        self._check_value_pass()
         base = self.policy.get_base_model()
+        if self.value_branch_layer is not None:
+            layers, _ = branch_critic.decoder_stack(base)
+            backbone = getattr(base, base.base_model_prefix)
+            with self._policy_active(), branch_critic.switch_adapter_at_branch(
+                    layers, self.value_branch_layer, lambda: self._active_adapter(self.value_adapter)):
+                return backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids, use_cache=False).last_hidden_state
         backbone = getattr(base, base.base_model_prefix, None)  # the LM without its head
         if backbone is not None and is_fsdp2_model(base) and not is_fsdp2_model(backbone):
             raise NotImplementedError(
@@ -474,6 +545,7 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
             "bias": self.value_head.bias is not None,
             "policy_adapter": self.policy_adapter,
             "value_adapter": self.value_adapter,
+            "value_branch_layer": self.value_branch_layer,
         }
         with open(os.path.join(output_dir, VALUE_HEAD_CONFIG), "w") as f:
             json.dump(meta, f, indent=2)
@@ -532,7 +604,7 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
                          device=policy.get_output_embeddings().weight.device)
         head.load_state_dict(load_file(os.path.join(output_dir, VALUE_HEAD_WEIGHTS)))
         head.requires_grad_(is_trainable)
-        model = cls(policy, value_head=head)
+        model = cls(policy, value_head=head, value_branch_layer=meta.get("value_branch_layer"))
         return model.train(is_trainable)
 
 

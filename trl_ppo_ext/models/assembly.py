@@ -16,6 +16,8 @@ causal LM              a scorer            given / None     ``PolicyAndValue`` (
 ``value_adapter=True`` (``PPOConfig.use_value_adapter``): a causal LM with ``peft_config``, or a
 ``PeftModel``, and no ``value_model`` -> ``SharedActorCritic`` whose critic has its own LoRA adapter
 (:func:`value_adapter_config` of the policy's), the layout ``docs/critic.md`` recommends for long credit.
+``value_branch_layer=k`` (``PPOConfig.value_branch_layer``) with it: that adapter on the layers from ``k`` up
+only, the critic branching from the policy's pass there (``models.branch_critic``).
 
 Without a critic (``with_value=False``: an advantage estimator that reads no value), no value
 parameter exists anywhere and a ``value_model`` is ignored with a warning:
@@ -56,7 +58,8 @@ __all__ = [
 
 
 def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft_config=None, *,
-                           with_value: bool = True, value_adapter: bool = False) -> nn.Module:
+                           with_value: bool = True, value_adapter: bool = False,
+                           value_branch_layer: int | None = None) -> nn.Module:
     """``model`` + ``value_model`` (+ ``peft_config``) -> one module whose forward gives
     ``(logits (B, L, V), values (B, L))``: a ``SharedActorCritic`` or a ``PolicyAndValue`` pair
     (see the module's tables). ``get_peft_model`` wraps ``model`` in place when ``peft_config``
@@ -64,7 +67,9 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
 
     ``with_value=False``: the critic-free module (second table); its ``has_value`` is False and
     its values are 0. A ``value_model`` given anyway is not used (``UserWarning``).
-    ``value_adapter=True``: the critic gets a LoRA adapter of its own (:func:`_build_value_adapter`).
+    ``value_adapter=True``: the critic gets a LoRA adapter of its own (:func:`_build_value_adapter`);
+    ``value_branch_layer``: that adapter on the layers above this one only, the critic branching from
+    the policy's pass (``models.branch_critic``); it needs ``value_adapter=True``.
 
     Raises:
         ValueError: a combination of the table's columns that is not in it, naming the
@@ -72,10 +77,15 @@ def build_policy_and_value(model: nn.Module, value_model: nn.Module | None, peft
     """
     from peft import PeftModel, get_peft_model
 
+    if value_branch_layer is not None and not (with_value and value_adapter):
+        raise ValueError(
+            f"value_branch_layer={value_branch_layer} places the critic's own adapter above a layer of the policy's "
+            f"pass, and {'no critic is trained' if not with_value else 'use_value_adapter=False'}. Set "
+            "use_value_adapter=True (with advantage_estimator='gae'), or value_branch_layer=None.")
     if not with_value:
         return _build_policy_only(model, value_model, peft_config)
     if value_adapter:
-        return _build_value_adapter(model, value_model, peft_config)
+        return _build_value_adapter(model, value_model, peft_config, value_branch_layer)
     if getattr(model, "is_actor_critic", False):
         if value_model is not None:
             raise ValueError(
@@ -120,9 +130,10 @@ def value_adapter_config(lora_config):
     return config
 
 
-def _build_value_adapter(model: nn.Module, value_model: nn.Module | None, peft_config) -> nn.Module:
+def _build_value_adapter(model: nn.Module, value_model: nn.Module | None, peft_config,
+                         value_branch_layer: int | None = None) -> nn.Module:
     """``build_policy_and_value(..., value_adapter=True)``: ``SharedActorCritic`` with
-    ``value_lora_config=value_adapter_config(<the policy's LoRA config>)``."""
+    ``value_lora_config=value_adapter_config(<the policy's LoRA config>)`` (and ``value_branch_layer``)."""
     from peft import PeftModel
 
     from .actor_critic import SharedActorCritic
@@ -143,7 +154,8 @@ def _build_value_adapter(model: nn.Module, value_model: nn.Module | None, peft_c
             "on a frozen base. Pass peft_config=peft.LoraConfig(task_type='CAUSAL_LM', ...) (the critic's adapter "
             "copies it), or a PeftModel policy.")
     policy_config = peft_config if peft_config is not None else model.peft_config[model.active_adapter]
-    return SharedActorCritic(model, lora_config=peft_config, value_lora_config=value_adapter_config(policy_config))
+    return SharedActorCritic(model, lora_config=peft_config, value_lora_config=value_adapter_config(policy_config),
+                             value_branch_layer=value_branch_layer)
 
 
 def _build_policy_only(model: nn.Module, value_model: nn.Module | None, peft_config) -> nn.Module:

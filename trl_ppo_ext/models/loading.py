@@ -130,7 +130,7 @@ def load_actor_critic(model_name_or_path: str | os.PathLike, *, lora_r: int = 16
                       load_in_4bit: bool = False, torch_dtype: torch.dtype | str | None = None,
                       revision: str | None = None, device_map=None,
                       trust_remote_code: bool = False,
-                      value_lora: bool = False) -> SharedActorCritic:
+                      value_lora: bool = False, value_branch_layer: int | None = None) -> SharedActorCritic:
     """Load a causal LM and wrap it as a :class:`SharedActorCritic` (frozen base + LoRA).
 
     Args:
@@ -146,6 +146,9 @@ def load_actor_critic(model_name_or_path: str | os.PathLike, *, lora_r: int = 16
         trust_remote_code: passed to ``from_pretrained``.
         value_lora: give the critic its own LoRA adapter (same r/alpha/targets; see
             :class:`SharedActorCritic` for the cost).
+        value_branch_layer: with ``value_lora``, the critic branches from the policy's pass at
+            this decoder layer and its adapter covers the layers above only
+            (``models.branch_critic``); None: the whole backbone.
 
     Raises:
         ImportError: ``load_in_4bit=True`` without an importable bitsandbytes.
@@ -166,7 +169,8 @@ def load_actor_critic(model_name_or_path: str | os.PathLike, *, lora_r: int = 16
         value_lora_config = default_lora_config(base, r=lora_r, lora_alpha=lora_alpha,
                                                 lora_dropout=lora_dropout,
                                                 target_modules=lora.target_modules)
-    return SharedActorCritic(base, lora_config=lora, value_lora_config=value_lora_config)
+    return SharedActorCritic(base, lora_config=lora, value_lora_config=value_lora_config,
+                             value_branch_layer=value_branch_layer)
 
 
 def load_reward_model(model_name_or_path: str | os.PathLike, *, num_labels: int = 1,

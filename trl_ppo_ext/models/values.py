@@ -8,6 +8,10 @@ the values from parameters of their own, without running the policy:
   head alone, one backbone pass instead of two;
 * ``SharedActorCritic`` with a value adapter: the base under the value adapter and the value head,
   one backbone pass instead of two.
+* ``SharedActorCritic`` with a branch critic (``value_branch_layer=k``): its values read the policy's
+  hidden state at layer ``k``, so the pass runs the policy's layers below ``k`` (policy adapter) and
+  switches to the value adapter for the layers from ``k`` up: one backbone pass, no LM head, the
+  policy's layers above ``k`` skipped (``models.branch_critic.switch_adapter_at_branch``).
 
 The shared value head reads the policy's own last hidden state: its values need the policy's pass,
 which gives the log-probs for the price of the LM head, so nothing is saved there.
@@ -36,7 +40,8 @@ from .policy_value import PolicyAndValue, backbone_hidden, scalar_head
 
 def has_values_alone(model: nn.Module) -> bool:
     """Whether ``model`` (the trainer's policy/value module) computes its values with parameters of
-    their own, without the policy's pass: a separate value model, or a value adapter."""
+    their own, without the policy's pass: a separate value model, or a value adapter (a branch
+    critic's included: its pass shares the policy's lower layers, not the LM head or upper layers)."""
     if isinstance(model, PolicyAndValue):
         return model.value_model is not None
     return bool(getattr(model, "is_actor_critic", False) and getattr(model, "value_adapter", None)
