@@ -394,7 +394,6 @@ class GuardRails:
         if self.settings.nonfinite_halt_after is None:
             return ""
         figures["guard/nonfinite"] = float(self._nonfinite_run)
-        figures["guard/nonfinite_total"] = float(self.counters.nonfinite_steps)
         peak, self._nonfinite_peak = self._nonfinite_peak, self._nonfinite_run
         return self._nonfinite_message(peak, update)
 
@@ -482,7 +481,6 @@ class GuardRails:
         if self.settings.stale_halt_after is None:
             return ""
         figures["guard/stale_rollouts"] = float(self._stale_run)
-        figures["guard/stale_rollouts_total"] = float(self.counters.stale_discarded)
         return self._stale_message(update)
 
     def _stale_message(self, update: int) -> str:
@@ -531,11 +529,8 @@ class GuardRails:
         return self._streaks[name]
 
     def _event_figures(self) -> dict[str, float]:
-        totals = self.counters
-        return {
-            "guard/nonfinite": float(self._nonfinite_run), "guard/nonfinite_total": float(totals.nonfinite_steps),
-            "guard/stale_rollouts": float(self._stale_run), "guard/stale_rollouts_total": float(totals.stale_discarded),
-        }
+        # the totals are the run's counters (RunCounters), which their owner logs
+        return {"guard/nonfinite": float(self._nonfinite_run), "guard/stale_rollouts": float(self._stale_run)}
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
