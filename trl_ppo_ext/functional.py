@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .choices import KL_ESTIMATORS, LOSS_TYPES  # re-exported: the names the math accepts
+
 __all__ = [
     "KL_ESTIMATORS",
     "LOSS_TYPES",
@@ -54,10 +56,6 @@ __all__ = [
     "action_masked_gae_decoupled",
 ]
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-# How a per-token loss is reduced to a scalar, named as TRL's GRPOConfig.loss_type names them
-# (see `masked_loss_aggregate`).
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 
 # --------------------------------------------------------------------------- checks
 
