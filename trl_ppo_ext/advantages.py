@@ -156,9 +156,7 @@ def compute_targets(
         rollout.logprobs, rollout.ref_logprobs, scores, mask, kl_coef, kl_estimator, kl=kl
     )
     if rollout.token_rewards is not None:  # per-token (process) rewards on the tokens they name
-        if rollout.action_mask is not None:  # one on an environment token is refused, never dropped
-            F.check_rewards_on_actions(rollout.token_rewards, rollout.response_mask, rollout.action_mask)
-        rewards = rewards + rollout.token_rewards.masked_fill(~mask, 0.0)
+        rewards, _ = F.add_token_rewards(rewards, rollout.token_rewards, rollout.response_mask, rollout.action_mask)
     if whiten_rewards:
         rewards = F.masked_global_whiten(rewards, counted, keep_mean=True)
     if lam_length_alpha is not None:

@@ -26,8 +26,8 @@ from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
 from .agents.arguments import ToolArguments
 from .batching import check_local_batch
+from .choices import KL_ESTIMATORS, LOSS_TYPES
 from .estimator_table import CRITIC_ONLY_FIELDS, ESTIMATORS, estimator, resolve_scale_rewards
-from .functional import KL_ESTIMATORS, LOSS_TYPES
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
 from .generation.server_weights import SERVER_WEIGHT_SYNC_CHOICES

@@ -21,7 +21,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from .sampler import EpochSeededSampler
 
 logger = logging.getLogger(__name__)
 
@@ -303,6 +307,37 @@ class PromptCollator:
             if key not in self.TOKEN_KEYS:
                 batch[key] = [f[key] for f in features]
         return batch
+
+
+def prompt_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool) -> DataLoader:
+    """The training prompts in batches of ``batch_size`` (the last short one dropped: every rollout
+    batch has the same size). The shuffle order is a function of ``(seed, epoch)``, the same on every
+    process (``sampler.EpochSeededSampler``), so a resumed run finds its place without replaying RNG
+    draws; each new iterator draws its worker seed from its own generator, not the global RNG, so
+    starting an epoch (or resuming mid-epoch) leaves the sampling RNG untouched."""
+    return DataLoader(dataset, batch_size=batch_size,
+                      sampler=EpochSeededSampler(len(dataset), seed, shuffle=shuffle),
+                      collate_fn=collate_fn, drop_last=True, generator=torch.Generator().manual_seed(seed))
+
+
+def eval_dataloader(dataset, batch_size: int, collate_fn) -> DataLoader:
+    """The held-out prompts in order, in batches of ``batch_size``, the last one as long as it is."""
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=False)
+
+
+def repeat_batches(dataloader, cursor):
+    """A ``prompt_dataloader``'s batches forever, epoch after epoch, from ``cursor`` (a
+    ``run.state.RunCounters``: ``epoch``, and ``batches`` of it already consumed, skipped), which it
+    advances as it yields, so a checkpoint of the cursor resumes at the next batch exactly."""
+    while True:
+        dataloader.set_epoch(cursor.epoch)  # accelerate resets the sampler epoch from this
+        skip = cursor.batches
+        for index, batch in enumerate(dataloader):
+            if index < skip:
+                continue
+            cursor.batches = index + 1
+            yield batch
+        cursor.epoch, cursor.batches = cursor.epoch + 1, 0
 
 
 def repeat_prompts(batch: Mapping, num_generations: int) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -151,6 +152,26 @@ def check_fsdp_run(accelerator) -> None:
         )
 
 
+# ---------------------------------------------------------------------- the run's accelerator
+def plan_accelerator(args, plan, mixed_precision: str | None):
+    """The ``Accelerator`` that executes a ``batching.BatchPlan``: one optimizer step per mini-batch of
+    ``plan.micro_batches_per_mini_batch`` micro-batches, counted by accelerate independently of any
+    dataloader (with ``sync_with_dataloader``, its default, accelerate forces a step on every
+    micro-batch while the train loader sits on its last batch, i.e. at every epoch end); under
+    DeepSpeed the engine steps and clips as the plan says (:func:`configure_deepspeed`)."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
+
+    accelerator = Accelerator(
+        cpu=bool(getattr(args, "use_cpu", False)), mixed_precision=mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=plan.micro_batches_per_mini_batch, sync_with_dataloader=False, adjust_scheduler=False),
+    )
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        configure_deepspeed(accelerator, args, plan)
+    return accelerator
+
+
 # ---------------------------------------------------------------------- DeepSpeed config
 def configure_deepspeed(accelerator, args, plan) -> None:
     """Fill the DeepSpeed settings PPO owns and refuse values that contradict the run.
@@ -204,6 +225,52 @@ def prepare_frozen_model(model: nn.Module, accelerator, prepare_deepspeed) -> nn
         logger.info("A 4-bit %s is kept unsharded on its device under DeepSpeed.", type(model).__name__)
         return model
     return prepare_deepspeed(model, accelerator)
+
+
+def place_frozen(model: nn.Module, name: str, offloaded: bool, accelerator, *, prepare_deepspeed=None) -> nn.Module:
+    """A frozen model in eval mode: a DeepSpeed inference engine under DeepSpeed (``prepare_deepspeed``
+    given, TRL's, see :func:`prepare_frozen_model`), else on the training device, or on the CPU when
+    ``offloaded`` on CUDA (moved in for each scoring pass). ``name`` names it in the log line."""
+    model.eval().requires_grad_(False)
+    if prepare_deepspeed is not None:
+        return prepare_frozen_model(model, accelerator, prepare_deepspeed)
+    cuda = accelerator.device.type == "cuda"
+    if offloaded and not cuda:
+        logger.info("%s offload has no effect without a CUDA device; it stays on %s.", name, accelerator.device)
+    return model.to("cpu" if offloaded and cuda else accelerator.device)
+
+
+def place_frozen_models(policy: nn.Module, ref_model, rewards: list, args, accelerator, *, prepare_deepspeed=None):
+    """The reference and every reward model of a run placed by :func:`place_frozen` (``args``'
+    ``offload_ref_model`` / ``offload_reward_model``; a process reward model's model always on the
+    training device; ``prepare_deepspeed`` given under DeepSpeed), 4-bit models made safe for the CPU
+    first. Returns ``(ref_model, rewards)``,
+    ``rewards`` a new list of ``rewards.RunReward`` (their sources placed); the inputs are left as
+    they were, but the models themselves are moved."""
+    from dataclasses import replace
+
+    from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+    from .rewards.process import ProcessRewardModel
+
+    deepspeed = {"prepare_deepspeed": prepare_deepspeed}
+    offloads = [name for name in ("offload_ref_model", "offload_reward_model") if getattr(args, name, False)]
+    if prepare_deepspeed is not None and offloads:  # the flags would do nothing here, silently
+        warnings.warn(
+            f"{' and '.join(f'{name}=True' for name in offloads)} has no effect under DeepSpeed: the frozen "
+            "models become DeepSpeed engines, which DeepSpeed places (on the training device; under ZeRO-3 its "
+            "own zero_optimization.offload_param applies). Unset the flag, or offload through the DeepSpeed "
+            "config.", UserWarning, stacklevel=4)
+    for m in (policy, ref_model, *(r.source for r in rewards if r.is_model)):
+        if m is not None and is_4bit_model(m):
+            make_4bit_cpu_safe(m)  # bitsandbytes' CPU repack breaks LoRA gradients
+    if ref_model is not None:
+        ref_model = place_frozen(ref_model, "ref_model", args.offload_ref_model, accelerator, **deepspeed)
+    rewards = [replace(r, source=place_frozen(r.source, r.name, args.offload_reward_model, accelerator,
+                                              **deepspeed)) if r.is_model else r for r in rewards]
+    for r in rewards:  # a process reward model reads its model on the training device (no offload)
+        if isinstance(r.source, ProcessRewardModel):
+            r.source.model = place_frozen(r.source.model, r.name, False, accelerator, **deepspeed)
+    return ref_model, rewards
 
 
 # ---------------------------------------------------------------------- gradient accumulation

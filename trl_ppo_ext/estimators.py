@@ -466,9 +466,8 @@ def estimator_targets(
     )
     per_token = non_score
     if rollout.token_rewards is not None:
-        F.check_rewards_on_actions(rollout.token_rewards, mask, actions)
-        added = rollout.token_rewards.masked_fill(~actions, 0.0)
-        rewards, per_token = rewards + added, non_score + added
+        rewards, added = F.add_token_rewards(rewards, rollout.token_rewards, mask, actions)
+        per_token = non_score + added
     shaped = ShapedRewards(scores=scores, rewards=rewards, non_score=non_score, per_token=per_token, actions=actions,
                            counted=counted, scored=scored)
     advantages, returns, raw = TARGET_FUNCTIONS[row.function](shaped, num_generations, scale_rewards, gamma)

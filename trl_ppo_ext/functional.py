@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .choices import KL_ESTIMATORS, LOSS_TYPES  # re-exported: the names the math accepts
+
 __all__ = [
     "KL_ESTIMATORS",
     "LOSS_TYPES",
@@ -49,14 +51,11 @@ __all__ = [
     "action_lengths",
     "turn_ends",
     "check_rewards_on_actions",
+    "add_token_rewards",
     "action_masked_gae",
     "action_masked_gae_decoupled",
 ]
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-# How a per-token loss is reduced to a scalar, named as TRL's GRPOConfig.loss_type names them
-# (see `masked_loss_aggregate`).
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 
 # --------------------------------------------------------------------------- checks
 
@@ -1145,6 +1144,33 @@ def turn_ends(action_mask: torch.Tensor) -> torch.Tensor:
     following = torch.zeros_like(action_mask)
     following[:, :-1] = action_mask[:, 1:]
     return action_mask & ~following
+
+
+def add_token_rewards(
+    rewards: torch.Tensor, token_rewards: torch.Tensor, response_mask: torch.Tensor,
+    action_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards (a process reward, a tool's) added to shaped rewards on the action tokens: the
+    one place both the critic's GAE and the critic-free estimators add them.
+
+    Args:
+        rewards: (B, T) shaped rewards. token_rewards: (B, T). response_mask: bool (B, T).
+        action_mask: bool (B, T) inside ``response_mask``, or None: every response token is an
+            action. With one, a non-zero reward on an environment token is refused
+            (:func:`check_rewards_on_actions`), never dropped.
+
+    Returns:
+        ``(rewards + added, added)``, ``added`` the token rewards with 0 off the action tokens.
+
+    Example:
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> add_token_rewards(torch.zeros(1, 3), torch.tensor([[0.5, 1.0, 2.0]]), mask)[0]
+        tensor([[0.5000, 1.0000, 0.0000]])
+    """
+    if action_mask is not None:
+        check_rewards_on_actions(token_rewards, response_mask, action_mask)
+    added = token_rewards.masked_fill(~(response_mask if action_mask is None else action_mask), 0.0)
+    return rewards + added, added
 
 
 def check_rewards_on_actions(

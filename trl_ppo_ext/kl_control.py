@@ -180,3 +180,11 @@ def build_kl_controller(
             "Set adaptive=True to use them, or leave them None."
         )
     return FixedKLController(kl_coef)
+
+
+def kl_controller_from_config(args) -> KLController:
+    """:func:`build_kl_controller` with a ``PPOConfig``'s ``kl_coef``, ``adaptive_kl`` and, when
+    adaptive, its ``kl_target`` and ``kl_horizon``."""
+    adaptive = args.adaptive_kl
+    return build_kl_controller(args.kl_coef, adaptive, args.kl_target if adaptive else None,
+                               args.kl_horizon if adaptive else None)

@@ -29,9 +29,13 @@ import torch
 from . import functional as F
 from .agents.tool_loop import ToolLoopStats
 from .episodes import turn_statistics
+from .estimators import group_reward_metrics
 from .rollout import Rollout, SampledBatch, valid_token_ids
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
+
+# The metrics a run without a critic does not log (see logged_update_metrics).
+CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
 
 
 def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,6 +119,55 @@ def update_metrics(
     metrics.update(sequence_metrics(rows[:, 0], rows[:, 1].bool(), rows[:, 2], rows[:, 3]))
     metrics["val/ratio_max"] = float(ratio_max)
     return metrics
+
+
+@torch.no_grad()
+def logged_update_metrics(
+    rollout: Rollout, targets, stats: dict[str, torch.Tensor], args, *, gather: Gather, device: torch.device | str,
+    reference: bool, reward_names: Sequence[str], counters, reward_logs: Callable[[], dict[str, float]],
+    tool_stats: ToolLoopStats | None = None,
+) -> dict[str, float]:
+    """What one update logs, the same on every process: :func:`update_metrics`, less the critic's
+    figures (:data:`CRITIC_METRICS`) without a critic (``args.trains_critic``) and the KL where no
+    reference ran (``reference`` False, as GRPO logs ``kl`` only where ``beta != 0``); TRL GRPO's
+    group figures with ``args.num_generations > 1``; :func:`rollout_reward_metrics` of ``reward_names``;
+    ``rewards/unscored``; :func:`sampling_metrics`; what reward functions logged (``reward_logs()``,
+    taken now); :func:`tool_loop_metrics` of ``tool_stats`` (None: a run without tools); and the run's
+    ``counters`` (``run.state.RunCounters``). Every process makes the same collectives in this order."""
+    metrics = update_metrics(rollout, targets, stats, gather=gather, device=device)
+    if not args.trains_critic:  # a critic-free estimator: no value loss, values or returns to report
+        for key in CRITIC_METRICS:
+            metrics.pop(key, None)
+    if not reference:
+        metrics.pop("objective/kl", None)
+    if args.num_generations > 1:
+        metrics.update({k: float(v) for k, v in group_reward_metrics(rollout.scores, args.num_generations).items()})
+    metrics.update(rollout_reward_metrics(rollout, reward_names, gather=gather))
+    if rollout.reward_applies is not None and rollout.reward_applies.shape[1]:  # TRL's unscorable rows
+        unscored = (~rollout.reward_applies.any(dim=1)).sum().reshape(1).float().to(device)
+        metrics["rewards/unscored"] = float(gather(unscored).sum())
+    metrics.update(sampling_metrics(
+        rollout, gather=gather, device=device, correction=args.vllm_importance_sampling_correction,
+        mode=args.vllm_importance_sampling_mode, clip_min=args.vllm_importance_sampling_clip_min,
+        clip_max=args.vllm_importance_sampling_clip_max,
+    ))
+    metrics.update(reward_logs())
+    if tool_stats is not None:
+        metrics.update(tool_loop_metrics(tool_stats, gather=gather, device=device))
+    metrics["policy/lag"] = float(counters.rollout_age)
+    metrics["rollout/stale_discarded"] = float(counters.stale_discarded)
+    metrics["train/nonfinite_steps"] = float(counters.nonfinite_steps)
+    return metrics
+
+
+def rollout_reward_metrics(rollout: Rollout, reward_names: Sequence[str], *, gather: Gather) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``/std`` of each reward of ``reward_names`` (the order of the
+    rollout's ``reward_values`` columns; :func:`reward_statistics`); none for a rollout that keeps no
+    per-reward columns (a ``score_rollout`` override)."""
+    if rollout.reward_values is None:
+        return {}
+    return reward_statistics(rollout.reward_values, rollout.reward_applies, [f"rewards/{n}" for n in reward_names],
+                             gather=gather)
 
 
 def tool_loop_metrics(stats: ToolLoopStats, *, gather: Gather, device: torch.device | str) -> dict[str, float]:
@@ -237,6 +290,23 @@ def evaluation_row(rollout: Rollout, rewards: Sequence, kl_estimator: str) -> di
         if len(rewards) > 1 or not reward.is_model:
             row[f"eval/{reward.name}"] = rollout.reward_values[:, k]
     return row
+
+
+def heldout_metrics(rollouts: Iterable[Rollout], rewards: Sequence, kl_estimator: str, *, reference: bool,
+                    eval_metrics: dict, tokenizer, gather: Gather) -> dict[str, float]:
+    """The held-out figures of scored ``rollouts``: each column of :func:`evaluation_row` (``eval/kl``
+    only where a reference ran, ``reference``) and of :func:`user_metric_rows`, its mean (NaN rows left
+    out) over every rollout's rows ``gather``-ed over processes (each prompt once:
+    ``gather_for_metrics``)."""
+    columns = defaultdict(list)  # name -> per-rollout (b,) tensors, gathered over processes
+    for rollout in rollouts:
+        row = evaluation_row(rollout, rewards, kl_estimator)
+        if not reference:  # no reference ran: no KL to report
+            row.pop("eval/kl", None)
+        row.update(user_metric_rows(eval_metrics, tokenizer, rollout))
+        for key, values in row.items():
+            columns[key].append(gather(values.double()))
+    return {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
 
 
 def user_metric_rows(eval_metrics: dict, tokenizer, rollout: Rollout) -> dict[str, torch.Tensor]:

@@ -29,19 +29,17 @@ import logging
 import math
 import os
 import time
-import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import GradientAccumulationPlugin, gather_object
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from peft import PeftModel
 from torch import nn
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import TrainerControl, TrainerState
+from transformers import TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState
@@ -54,51 +52,45 @@ from .advantages import PPOTargets
 from .agents.tool_loop import ToolLoopStats
 from .batching import BatchPlan
 from .config import PPOConfig, as_ppo_config, mixed_precision
-from .data import PromptCollator, check_prompt_dataset, check_prompt_lengths, repeat_prompts
-from .distributed import (
-    configure_deepspeed,
-    prepare_frozen_model,
-    process_state,
+from .data import (
+    PromptCollator,
+    check_prompt_dataset,
+    check_prompt_lengths,
+    eval_dataloader,
+    prompt_dataloader,
+    repeat_batches,
+    repeat_prompts,
 )
-from .estimators import estimator_settings, estimator_targets, group_reward_metrics
+from .distributed import place_frozen_models, plan_accelerator, process_state
+from .estimators import estimator_settings, estimator_targets
 from .generation.base import check_engine_context, effective_temperature
 from .generation.filters import SamplingFilters
 from .generation.mismatch import sampling_weights
 from .generation.transformers_generate import configured_stop_token_id, generation_stop_ids
 from .grpo_names import grpo_defaults_warning, grpo_metrics
-from .kl_control import build_kl_controller
+from .kl_control import kl_controller_from_config
 from .losses import loss_settings, ppo_loss
 from .metrics import (
     checked_eval_metrics,
     completion_rows,
     completions_table,
-    evaluation_row,
+    heldout_metrics,
+    logged_update_metrics,
     print_completion_rows,
-    reward_statistics,
-    sampling_metrics,
+    rollout_reward_metrics,
     show_completions,
     tool_loop_metrics,
-    update_metrics,
-    user_metric_rows,
 )
 from .models import assembly
 from .models.offload import on_device
-from .models.prepare import (
-    disable_dropout,
-    strip_fp32_output_wrapper,
-    warn_low_precision_trainables,
-)
-from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+from .models.prepare import disable_dropout, strip_fp32_output_wrapper, warn_low_precision_trainables
 from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
 from .rewards.batch import RewardReader, score_batch_rewards, text_scores
 from .rewards.building import build_run_rewards
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel
-from .rewards.scoring import (
-    nonfinite_rewards,
-    reward_function_kwargs,
-)
+from .rewards.scoring import nonfinite_rewards, reward_function_kwargs
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -113,11 +105,10 @@ from .rollout import (
 )
 from .run import checkpointing as ckpt
 from .run.checkpointing import CheckpointMixin, clean_temp_dirs
-from .run.guards import GuardDecision, GuardRails
+from .run.guards import GuardDecision, run_guards
 from .run.manifest import ManifestMixin
 from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
-from .run.state import RunCounters
-from .sampler import EpochSeededSampler
+from .run.state import OnlineTrainerState, RunCounters
 from .sampling import PolicySnapshot, RolloutSampler, build_agent_rollout, vllm_policy_engine
 from .scoring_plan import plan_scoring
 from .update import FIRST_LOGPROBS, Stepper, mini_batch_step, plan_micro_batches, stack_stats
@@ -127,20 +118,9 @@ logger = logging.getLogger(__name__)
 # The key under which a preempted update's rollout keeps its tool loops' counts (ToolLoopStats fields).
 INFLIGHT_TOOL_STATS = "_tool_loop_stats"
 
-# The metrics a run without a critic does not log (see PPOTrainer.update_metrics).
-CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_variance")
 # The hooks whose override may read a rollout's old log-probs otherwise than the update's first forward would give
 # them (a rollout of an older policy, a loss of its own): with one overridden, they are computed before the update
 SCORING_HOOKS = ("produce_rollout", "compute_loss_terms")
-
-
-@dataclass
-class OnlineTrainerState(TrainerState):
-    """``TrainerState`` plus the episodes (sampled responses) seen so far and why the run stopped."""
-
-    episode: int = 0
-    stop_reason: str | None = None  # a guard's message when a guard halted the run
-    halted_by: str | None = None  # the guard's name
 
 
 class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
@@ -308,16 +288,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def _setup_run_control(self, eval_metrics) -> None:
         """KL controller, guard rails and the counters a checkpoint carries."""
-        args = self.args
-        self.kl_controller = build_kl_controller(
-            args.kl_coef, args.adaptive_kl, args.kl_target if args.adaptive_kl else None,
-            args.kl_horizon if args.adaptive_kl else None,
-        )
+        self.kl_controller = kl_controller_from_config(self.args)
         self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
-        settings = args.guard_settings()
-        if not args.trains_critic:  # no critic: nothing for the value-divergence guard to read
-            settings = replace(settings, max_value_loss=None, min_explained_variance=None)
-        self.guards = GuardRails(settings, self.counters)
+        self.guards = run_guards(self.args, self.counters)
         self.eval_metrics = checked_eval_metrics(eval_metrics, [r.name for r in self.rewards])
         self._protected_checkpoints: set[str] = set()
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
@@ -325,7 +298,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
         self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
         self._applied_steps = 0  # optimizer steps taken (not skipped) by this trainer object
-        self._nonfinite_cause: str | None = None  # which reward returned NaN/inf in this update's rollout
         # the global step the policy's weights are from: advanced by a step that moved the policy (not
         # a critic warm-up step), set by a resume; a generation engine gets weights when it changes
         self._policy_version = 0
@@ -334,20 +306,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def _setup_batch_sizes(self, args) -> None:
         """The run's ``BatchPlan`` and the ``Accelerator`` that executes it; fills TRL's derived
         config fields (``batch_size``, ``local_mini_batch_size``, ``num_total_batches``, ...)."""
-        # One optimizer step per mini-batch, counted by accelerate independently of any
-        # dataloader: with `sync_with_dataloader` (the default) accelerate forces a step on every
-        # micro-batch while the train loader sits on its last batch, i.e. at every epoch end.
         plan = BatchPlan.from_config(args, process_state().num_processes, self.train_dataset_len)
         self.episodes_per_epoch = plan.episodes_per_epoch(self.train_dataset_len)
-        self.accelerator = Accelerator(
-            cpu=bool(getattr(args, "use_cpu", False)),
-            mixed_precision=mixed_precision(args),
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=plan.micro_batches_per_mini_batch, sync_with_dataloader=False, adjust_scheduler=False
-            ),
-        )
-        if getattr(self.accelerator.state, "deepspeed_plugin", None) is not None:
-            configure_deepspeed(self.accelerator, args, plan)  # the engine steps and clips as the plan says
+        self.accelerator = plan_accelerator(args, plan, mixed_precision(args))
         self.plan = plan
         plan.fill_config(args)
         plan.check_dataset(self.train_dataset_len)
@@ -385,73 +346,24 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             os.makedirs(self.args.output_dir, exist_ok=True)
 
     def _setup_dataloaders(self) -> None:
-        # The shuffle order is a function of (seed, epoch), the same on every process, so a
-        # resumed run finds its place without replaying RNG draws.
-        self.dataloader = DataLoader(
-            self.train_dataset,
-            batch_size=self.local_dataloader_batch_size,
-            sampler=EpochSeededSampler(len(self.train_dataset), self.args.seed, shuffle=self.args.shuffle_dataset),
-            collate_fn=self.data_collator,
-            drop_last=True,  # every rollout batch has the same size
-            # Each new iterator draws a worker seed; from its own generator, not the global RNG,
-            # so starting an epoch (or resuming mid-epoch) leaves the sampling RNG untouched.
-            generator=torch.Generator().manual_seed(self.args.seed),
-        )
-        self.model, self.optimizer, self.dataloader = self.accelerator.prepare(
-            self.model, self.optimizer, self.dataloader
-        )
+        """The train and eval loaders (``data.prompt_dataloader``), prepared by accelerate with the model."""
+        train = prompt_dataloader(self.train_dataset, self.local_dataloader_batch_size, self.data_collator,
+                                  seed=self.args.seed, shuffle=self.args.shuffle_dataset)
+        self.model, self.optimizer, self.dataloader = self.accelerator.prepare(self.model, self.optimizer, train)
         strip_fp32_output_wrapper(self.unwrapped)  # every forward runs in `self.accelerator.autocast()`
         torch.manual_seed(self.local_seed)  # generation differs per process
-        self.eval_dataloader = None
-        if self.eval_dataset is not None:
-            self.eval_dataloader = self.accelerator.prepare(
-                DataLoader(
-                    self.eval_dataset,
-                    batch_size=self.args.per_device_eval_batch_size,
-                    collate_fn=self.data_collator,
-                    drop_last=False,
-                )
-            )
+        self.eval_dataloader = None if self.eval_dataset is None else self.accelerator.prepare(
+            eval_dataloader(self.eval_dataset, self.args.per_device_eval_batch_size, self.data_collator))
         self.model_wrapped = self.model
 
     def _place_frozen_models(self) -> None:
-        """Reward and reference models: on the training device, or parked on the CPU when
-        offloaded (moved in for each scoring pass, see ``score_rollout``)."""
-        reward_models = [r.source for r in self.rewards if r.is_model]
-        offloads = [name for name in ("offload_ref_model", "offload_reward_model") if getattr(self.args, name, False)]
-        if self.is_deepspeed_enabled and offloads:  # the flags would do nothing here, silently
-            warnings.warn(
-                f"{' and '.join(f'{name}=True' for name in offloads)} has no effect under DeepSpeed: the frozen "
-                "models become DeepSpeed engines, which DeepSpeed places (on the training device; under ZeRO-3 its "
-                "own zero_optimization.offload_param applies). Unset the flag, or offload through the DeepSpeed "
-                "config.", UserWarning, stacklevel=3)
-        for m in (self.unwrapped, self.ref_model, *reward_models):
-            if m is not None and is_4bit_model(m):
-                make_4bit_cpu_safe(m)  # bitsandbytes' CPU repack breaks LoRA gradients
-        if self.ref_model is not None:
-            self.ref_model = self._place_frozen(self.ref_model, "ref_model", self.args.offload_ref_model)
-        self.rewards = [
-            replace(r, source=self._place_frozen(r.source, r.name, self.args.offload_reward_model)) if r.is_model else r
-            for r in self.rewards
-        ]
-        for r in self.rewards:  # a process reward model reads its model on the training device (no offload)
-            if isinstance(r.source, ProcessRewardModel):
-                r.source.model = self._place_frozen(r.source.model, r.name, False)
+        """Reward and reference models placed (``distributed.place_frozen_models``); ``reward_model`` follows."""
+        self.ref_model, self.rewards = place_frozen_models(
+            self.unwrapped, self.ref_model, self.rewards, self.args, self.accelerator,
+            prepare_deepspeed=prepare_deepspeed if self.is_deepspeed_enabled else None)
         if self.reward_model is not None:
             first = self.rewards[0].source
             self.reward_model = first.model if isinstance(first, ProcessRewardModel) else first
-
-    def _place_frozen(self, model: nn.Module, name: str, offloaded: bool) -> nn.Module:
-        """A frozen model in eval mode: a DeepSpeed inference engine under DeepSpeed, else on the
-        training device, or on the CPU when ``offloaded`` on CUDA."""
-        model.eval().requires_grad_(False)
-        if self.is_deepspeed_enabled:
-            return prepare_frozen_model(model, self.accelerator, prepare_deepspeed)
-        cuda = self.accelerator.device.type == "cuda"
-        if offloaded and not cuda:
-            logger.info("%s offload has no effect without a CUDA device; it stays on %s.", name,
-                        self.accelerator.device)
-        return model.to("cpu" if offloaded and cuda else self.accelerator.device)
 
     # ------------------------------------------------------------------ contexts
     @property
@@ -625,17 +537,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) != "no"
 
     def _repeat_dataloader(self):
-        """Batches forever, epoch after epoch, from the saved cursor (exact resume)."""
-        counters = self.counters
-        while True:
-            self.dataloader.set_epoch(counters.epoch)  # accelerate resets the sampler epoch from this
-            skip = counters.batches
-            for index, batch in enumerate(self.dataloader):
-                if index < skip:
-                    continue
-                counters.batches = index + 1
-                yield batch
-            counters.epoch, counters.batches = counters.epoch + 1, 0
+        """Batches forever from the saved cursor (``data.repeat_batches``: exact resume)."""
+        return repeat_batches(self.dataloader, self.counters)
 
     def produce_rollout(self) -> Rollout:
         """The next scored rollout. The synchronous default generates it now from the next
@@ -655,9 +558,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         while True:
             age = self.state.global_step - rollout.policy_version
             if self.args.max_rollout_age is None or age <= self.args.max_rollout_age:
-                self.guards.fresh_rollout()
+                self.guards.fresh_rollout(self._nonfinite_reward_cause(rollout, update))
                 self.counters.rollout_age = age
-                self._nonfinite_cause = self._nonfinite_reward_cause(rollout, update)
                 return rollout
             logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
                            "regenerating it with the current policy.", update, age, self.args.max_rollout_age)
@@ -896,10 +798,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if stepped is None:
             return GuardDecision.keep_going({})
         if not stepped:
-            cause = self._nonfinite_cause
+            cause = self.guards.rollout_cause
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient%s.", update,
                            f" ({cause})" if cause else "")
-            return self.guards.nonfinite_step(update, cause)
+            return self.guards.nonfinite_step(update)
         self._applied_steps += 1
         if not warming:  # the policy moved: the update ending now is its version
             self._policy_version = self.state.global_step + 1
@@ -953,33 +855,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     @torch.no_grad()
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        """This update's statistics, averaged over every process (``metrics.update_metrics``),
-        the per-reward columns and the run's counters."""
-        metrics = update_metrics(rollout, adv, stats, gather=self.accelerator.gather, device=self.accelerator.device)
-        if not self.args.trains_critic:  # a critic-free estimator: no value loss, values or returns to report
-            for key in CRITIC_METRICS:
-                metrics.pop(key, None)
-        if not self.scoring.reference:  # no KL was computed: none is logged (GRPO logs kl only where beta != 0)
-            metrics.pop("objective/kl", None)
-        if self.args.num_generations > 1:  # TRL GRPO's group figures (a collective: every process calls it)
-            metrics.update({k: float(v) for k, v in group_reward_metrics(rollout.scores, self.args.num_generations)
-                            .items()})
-        metrics.update(self._reward_metrics(rollout))
-        if rollout.reward_applies is not None and rollout.reward_applies.shape[1]:  # TRL's unscorable rows
-            unscored = (~rollout.reward_applies.any(dim=1)).sum().reshape(1).float().to(self.accelerator.device)
-            metrics["rewards/unscored"] = float(self.accelerator.gather(unscored).sum())
-        metrics.update(sampling_metrics(
-            rollout, gather=self.accelerator.gather, device=self.accelerator.device,
-            correction=self.args.vllm_importance_sampling_correction, mode=self.args.vllm_importance_sampling_mode,
-            clip_min=self.args.vllm_importance_sampling_clip_min, clip_max=self.args.vllm_importance_sampling_clip_max,
-        ))
-        metrics.update(self._take_reward_logs())
-        if self.agent_rollout is not None:
-            metrics.update(self._tool_metrics())
-        metrics["policy/lag"] = float(self.counters.rollout_age)
-        metrics["rollout/stale_discarded"] = float(self.counters.stale_discarded)
-        metrics["train/nonfinite_steps"] = float(self.counters.nonfinite_steps)
-        return metrics
+        """This update's statistics over every process, the per-reward columns and the run's counters
+        (``metrics.logged_update_metrics``)."""
+        return logged_update_metrics(
+            rollout, adv, stats, self.args, gather=self.accelerator.gather, device=self.accelerator.device,
+            reference=self.scoring.reference, reward_names=[r.name for r in self.rewards], counters=self.counters,
+            reward_logs=self._take_reward_logs, tool_stats=self.sampler.tool_stats if self.agent_rollout else None)
 
     def _tool_metrics(self) -> dict[str, float]:
         """The tool loops' figures of this update, summed over every process (``metrics.tool_loop_metrics``)."""
@@ -997,12 +878,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                                  lambda rows: self.accelerator.reduce(rows.to(device), reduction="sum").cpu())
 
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """``rewards/<name>/mean`` and ``/std`` (see ``metrics.reward_statistics``); none for a
-        ``score_rollout`` override that keeps no per-reward columns."""
-        if rollout.reward_values is None:
-            return {}
-        return reward_statistics(rollout.reward_values, rollout.reward_applies,
-                                 [f"rewards/{r.name}" for r in self.rewards], gather=self.accelerator.gather)
+        """``rewards/<name>/mean`` and ``/std`` (``metrics.rollout_reward_metrics``)."""
+        return rollout_reward_metrics(rollout, [r.name for r in self.rewards], gather=self.accelerator.gather)
 
     def log_update(self, metrics: dict[str, float]) -> None:
         """Advance the step/episode counters and log ``metrics`` (plus lr, eps, episode)."""
@@ -1069,19 +946,13 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         Each prompt counts once: rows that accelerate repeats to give every process an equal
         share of the last batch are dropped (``gather_for_metrics``).
         """
-        tok = self.processing_class
-        columns = defaultdict(list)  # name -> per-batch (b,) tensors, gathered over processes
+        device = self.accelerator.device
         with ckpt.isolated_rng(seed=self.args.seed), self._own_reward_logs() as logs:
-            for batch in self.eval_dataloader:
-                r = self.score_rollout(self.generate_rollout(batch))
-                row = evaluation_row(r, self.rewards, self.args.kl_estimator)
-                if not self.scoring.reference:  # no reference ran: no KL to report
-                    row.pop("eval/kl", None)
-                row.update(user_metric_rows(self.eval_metrics, tok, r))
-                for key, values in row.items():
-                    columns[key].append(self.accelerator.gather_for_metrics(values.double().to(self.accelerator.device)))
+            metrics = heldout_metrics(
+                (self.score_rollout(self.generate_rollout(batch)) for batch in self.eval_dataloader), self.rewards,
+                self.args.kl_estimator, reference=self.scoring.reference, eval_metrics=self.eval_metrics,
+                tokenizer=self.processing_class, gather=lambda t: self.accelerator.gather_for_metrics(t.to(device)))
             logged = self._take_reward_logs(logs)
-        metrics = {key: float(torch.cat(parts).nanmean()) for key, parts in columns.items()}
         return {**metrics, **{f"eval/{name}": value for name, value in logged.items()}}
 
     @contextmanager

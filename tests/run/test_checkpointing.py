@@ -309,3 +309,20 @@ def test_restore_refuses_a_foreign_dict_and_warns_on_a_cuda_mismatch():
     state["torch_cuda"] = [torch.zeros(16, dtype=torch.uint8)]
     with pytest.warns(UserWarning, match=r"CUDA RNG state for 1 device\(s\) and this machine has 0"):
         restore_rng_state(state)
+
+
+def test_the_checkpoint_mixin_reads_of_the_trainer_only_what_checkpointed_run_lists(make_trainer):
+    import ast
+    import inspect
+    import textwrap
+
+    from trl_ppo_ext.run.checkpointing import CheckpointedRun, CheckpointMixin
+
+    own = {name for name, member in vars(CheckpointMixin).items() if callable(member)}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(CheckpointMixin)))
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "self" and isinstance(node.ctx, ast.Load)}
+    methods = {n for n, v in vars(CheckpointedRun).items() if inspect.isfunction(v) and not n.startswith("__")}
+    assert read - own == set(CheckpointedRun.__annotations__) | methods
+    trainer = make_trainer()
+    assert all(hasattr(trainer, name) for name in CheckpointedRun.__annotations__ if name != "_resume_path")

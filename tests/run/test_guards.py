@@ -60,8 +60,8 @@ def test_default_guards_stay_quiet_on_a_healthy_run_and_log_their_figures():
     assert decisions[-1] == GuardDecision(
         halt=False, guard=None, message="",
         figures={
-            "guard/nonfinite": 0.0, "guard/nonfinite_total": 0.0, "guard/value_divergence": 0.0,
-            "guard/clip_fraction": 0.0, "guard/stale_rollouts": 0.0, "guard/stale_rollouts_total": 0.0,
+            "guard/nonfinite": 0.0, "guard/value_divergence": 0.0,
+            "guard/clip_fraction": 0.0, "guard/stale_rollouts": 0.0,
         },
     )
 
@@ -104,7 +104,7 @@ def test_a_finite_step_resets_the_run_but_not_the_total():
         assert decision is None or not decision.halt
     figures = guards.check({}, 1).figures
     # longest run was 2 < 3; 4 skipped steps in total
-    assert figures == {"guard/nonfinite": 0.0, "guard/nonfinite_total": 4.0}
+    assert figures == {"guard/nonfinite": 0.0} and guards.counters.nonfinite_steps == 4
 
 
 def test_check_reports_a_run_that_reached_the_limit_inside_the_update_once():
@@ -114,7 +114,7 @@ def test_check_reports_a_run_that_reached_the_limit_inside_the_update_once():
     guards.finite_step()  # the trainer kept going to the end of update 4
     decision = guards.check({}, 4)
     assert decision.halt and decision.guard == "nonfinite" and "at update 4" in decision.message
-    assert decision.figures == {"guard/nonfinite": 0.0, "guard/nonfinite_total": 3.0}
+    assert decision.figures == {"guard/nonfinite": 0.0} and guards.counters.nonfinite_steps == 3
     assert not guards.check({}, 5).halt  # the run ended in update 4
 
 
@@ -195,7 +195,7 @@ def test_stale_rollouts_halt_at_the_limit_and_reset_on_a_fresh_one():
     assert not guards.stale_rollout(2).halt
     assert not guards.stale_rollout(2).halt
     guards.fresh_rollout()
-    assert guards.check({}, 2).figures == {"guard/stale_rollouts": 0.0, "guard/stale_rollouts_total": 2.0}
+    assert guards.check({}, 2).figures == {"guard/stale_rollouts": 0.0} and guards.counters.stale_discarded == 2
     assert not guards.stale_rollout(3).halt
     assert not guards.stale_rollout(3).halt
     decision = guards.stale_rollout(3)
@@ -459,8 +459,8 @@ def test_the_guards_count_the_totals_in_the_runs_counters_and_do_not_save_them_t
     assert (counters.nonfinite_steps, counters.stale_discarded) == (2, 1)
     state = guards.state_dict()
     assert "nonfinite_total" not in state and "stale_total" not in state  # ppo_state.json's "counters" has them
-    assert guards.check({}, 2).figures == {"guard/nonfinite": 1.0, "guard/nonfinite_total": 2.0,
-                                           "guard/stale_rollouts": 1.0, "guard/stale_rollouts_total": 1.0}
+    assert guards.check({}, 2).figures == {"guard/nonfinite": 1.0, "guard/stale_rollouts": 1.0}
+    assert (counters.nonfinite_steps, counters.stale_discarded) == (2, 1)
 
 
 def test_a_ppo_state_that_saved_the_totals_twice_resumes_to_the_same_totals():
@@ -482,5 +482,5 @@ def test_a_ppo_state_that_saved_the_totals_twice_resumes_to_the_same_totals():
     # the run continues as before: two more skipped steps in a row halt (run 1 -> 3), total 6
     shared.nonfinite_step(3)
     decision = shared.nonfinite_step(3)
-    assert decision.halt and decision.figures["guard/nonfinite_total"] == 6.0
+    assert decision.halt and counters.nonfinite_steps == 6
     assert "6 skipped in total" in decision.message

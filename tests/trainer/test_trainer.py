@@ -303,13 +303,13 @@ def test_the_offload_flags_warn_once_under_deepspeed(make_trainer, monkeypatch):
     # issue 40: under DeepSpeed the frozen models become DeepSpeed engines and the flags did nothing, silently
     import warnings
 
-    import trl_ppo_ext.trainer as trainer_module
+    import trl_ppo_ext.distributed as distributed_module
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer = make_trainer(offload_ref_model=True, offload_reward_model=True)
     assert not [w for w in seen if "under DeepSpeed" in str(w.message)]  # without DeepSpeed: not said
-    monkeypatch.setattr(trainer_module, "prepare_frozen_model", lambda model, accelerator, prepare: model)
+    monkeypatch.setattr(distributed_module, "prepare_frozen_model", lambda model, accelerator, prepare: model)
     trainer.is_deepspeed_enabled = True
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

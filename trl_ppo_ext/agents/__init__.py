@@ -18,16 +18,25 @@ in each module.
 0.5
 """
 
-from .adapters import StepEnvironment, gym_environment, openenv_environment
-from .arguments import ToolArguments
-from .environments import EnvironmentBatch, Environments, environment_methods
-from .rollout_func import AgentRollout
-from .support import TOOLS_MIN_TRL, check_tool_support
-from .tool_loop import ToolLoopResult, ToolLoopStats, run_tool_loop, tool_suffix_ids
-from .tools import ToolExecutor, ToolResults, tool_dict
+import importlib
 
-__all__ = [
-    "AgentRollout", "EnvironmentBatch", "Environments", "StepEnvironment", "TOOLS_MIN_TRL", "ToolArguments",
-    "ToolExecutor", "ToolLoopResult", "ToolLoopStats", "ToolResults", "check_tool_support", "environment_methods",
-    "gym_environment", "openenv_environment", "run_tool_loop", "tool_dict", "tool_suffix_ids",
-]
+# Public names, imported on first use: `PPOConfig` inherits `arguments.ToolArguments`, and importing it
+# loads this package, which must not load the tool loop, the rewards and the math with it.
+_LAZY = {
+    "StepEnvironment": ".adapters", "gym_environment": ".adapters", "openenv_environment": ".adapters",
+    "ToolArguments": ".arguments",
+    "EnvironmentBatch": ".environments", "Environments": ".environments", "environment_methods": ".environments",
+    "AgentRollout": ".rollout_func",
+    "TOOLS_MIN_TRL": ".support", "check_tool_support": ".support",
+    "ToolLoopResult": ".tool_loop", "ToolLoopStats": ".tool_loop", "run_tool_loop": ".tool_loop",
+    "tool_suffix_ids": ".tool_loop",
+    "ToolExecutor": ".tools", "ToolResults": ".tools", "tool_dict": ".tools",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)

@@ -71,6 +71,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -456,9 +457,44 @@ def _setup_name(optimizer_format: str, stage: int | None) -> str:
     return f"under DeepSpeed ZeRO-{stage}" if optimizer_format == DEEPSPEED_STATE else "without DeepSpeed"
 
 
+class CheckpointedRun(Protocol):
+    """What :class:`CheckpointMixin` reads of the trainer it is mixed into, and nothing else (a test
+    holds the two lists equal): the run's parts it saves and restores, and the trainer's facts it
+    reads to do so. It writes only its own resume bookkeeping (``_resume_path``, ``_resume_exact``,
+    ``_resume_inflight``, ``_last_checkpoint``), ``model`` (a reloaded FSDP2 wrapper) and clears
+    ``_inflight`` once saved."""
+
+    args: object  # the PPOConfig: output_dir, save limits, seeds, hub settings
+    state: object  # transformers' TrainerState (OnlineTrainerState)
+    accelerator: object
+    model: object  # the prepared policy/value module
+    unwrapped: object
+    optimizer: object
+    lr_scheduler: object
+    processing_class: object
+    plan: object  # batching.BatchPlan, checked against a resumed run's
+    counters: object  # run.state.RunCounters
+    guards: object  # run.guards.GuardRails
+    kl_controller: object
+    local_seed: int
+    is_deepspeed_enabled: bool
+    is_peft_model: bool
+    _protected_checkpoints: set  # checkpoint folders never rotated away
+    _last_checkpoint: object  # (global step, path) of the latest save, or None
+    _inflight: object  # a preempted update's progress to save, or None
+    _resume_path: object  # the checkpoint being resumed, or None
+
+    def create_model_card(self, *args, **kwargs): ...
+
+    def push_to_hub(self, *args, **kwargs): ...
+
+    def store_flos(self): ...
+
+
 class CheckpointMixin:
     """Save and restore everything a PPO run needs to continue bit for bit; the checkpoint of a
-    preempted run; ``save_model`` (the inference export, also written into every checkpoint)."""
+    preempted run; ``save_model`` (the inference export, also written into every checkpoint).
+    What it reads of the trainer is listed by :class:`CheckpointedRun`."""
 
     # ------------------------------------------------------------------ save
     def _save_checkpoint(self, model=None, trial=None, folder_name: str | None = None) -> str:

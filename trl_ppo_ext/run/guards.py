@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from .._utils import help_metadata as _help
@@ -274,6 +274,7 @@ class GuardRails:
         self._nonfinite_run = 0  # consecutive skipped optimizer steps, now
         self._nonfinite_peak = 0  # longest such run since the last check()
         self._stale_run = 0  # consecutive discarded rollouts, now
+        self._rollout_cause: str | None = None  # why the accepted rollout's rewards are not finite, if they are not
         # (update, RM score, held-out value or None) of the last reward_hacking_window updates.
         self._history: deque = deque(maxlen=self.settings.reward_hacking_window)
         self._value_losses: deque = deque(maxlen=self.settings.value_patience)  # during the value streak
@@ -282,8 +283,10 @@ class GuardRails:
     # ------------------------------------------------------------------ events
     def nonfinite_step(self, update: int, cause: str | None = None) -> GuardDecision:
         """Record an optimizer step skipped for a NaN/inf loss or gradient norm during ``update``;
-        ``cause``: what made it non-finite when known (e.g. which reward returned NaN for which
-        completions), said in the halt message."""
+        ``cause``: what made it non-finite when known (default: the one :meth:`fresh_rollout` recorded
+        for the rollout in training, e.g. which reward returned NaN for which completions), said in
+        the halt message."""
+        cause = self._rollout_cause if cause is None else cause
         self._nonfinite_run += 1
         self.counters.nonfinite_steps += 1
         self._nonfinite_peak = max(self._nonfinite_peak, self._nonfinite_run)
@@ -306,9 +309,17 @@ class GuardRails:
         figures = self._event_figures()
         return GuardDecision(True, "stale_rollouts", message, figures) if message else GuardDecision.keep_going(figures)
 
-    def fresh_rollout(self) -> None:
-        """Record a rollout that was accepted: the run of discarded rollouts ends."""
+    @property
+    def rollout_cause(self) -> str | None:
+        """What :meth:`fresh_rollout` said makes the accepted rollout's rewards non-finite, or None."""
+        return self._rollout_cause
+
+    def fresh_rollout(self, nonfinite_cause: str | None = None) -> None:
+        """Record a rollout that was accepted: the run of discarded rollouts ends. ``nonfinite_cause``:
+        which of its rewards returned NaN/inf for which completions, None when all are finite; the
+        steps skipped while it is trained on name it (:meth:`nonfinite_step`)."""
         self._stale_run = 0
+        self._rollout_cause = nonfinite_cause
 
     # ------------------------------------------------------------------ per update
     def check(self, metrics: dict[str, float], update: int) -> GuardDecision:
@@ -383,7 +394,6 @@ class GuardRails:
         if self.settings.nonfinite_halt_after is None:
             return ""
         figures["guard/nonfinite"] = float(self._nonfinite_run)
-        figures["guard/nonfinite_total"] = float(self.counters.nonfinite_steps)
         peak, self._nonfinite_peak = self._nonfinite_peak, self._nonfinite_run
         return self._nonfinite_message(peak, update)
 
@@ -471,7 +481,6 @@ class GuardRails:
         if self.settings.stale_halt_after is None:
             return ""
         figures["guard/stale_rollouts"] = float(self._stale_run)
-        figures["guard/stale_rollouts_total"] = float(self.counters.stale_discarded)
         return self._stale_message(update)
 
     def _stale_message(self, update: int) -> str:
@@ -520,11 +529,8 @@ class GuardRails:
         return self._streaks[name]
 
     def _event_figures(self) -> dict[str, float]:
-        totals = self.counters
-        return {
-            "guard/nonfinite": float(self._nonfinite_run), "guard/nonfinite_total": float(totals.nonfinite_steps),
-            "guard/stale_rollouts": float(self._stale_run), "guard/stale_rollouts_total": float(totals.stale_discarded),
-        }
+        # the totals are the run's counters (RunCounters), which their owner logs
+        return {"guard/nonfinite": float(self._nonfinite_run), "guard/stale_rollouts": float(self._stale_run)}
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
@@ -567,6 +573,16 @@ class GuardRails:
         self._value_losses = deque((float(v) for v in state.get("value_losses", [])),
                                    maxlen=self.settings.value_patience)
         self._warning = set(state.get("warning", []))
+
+
+def run_guards(args, counters: RunCounters) -> GuardRails:
+    """The guards of a run configured by ``args`` (a ``PPOConfig``), counting into the run's
+    ``counters``; without a critic (``args.trains_critic`` False) the value-divergence guard has
+    nothing to read and is off."""
+    settings = args.guard_settings()
+    if not args.trains_critic:
+        settings = replace(settings, max_value_loss=None, min_explained_variance=None)
+    return GuardRails(settings, counters)
 
 
 def _metric(metrics: dict[str, float], key: str, guard: str, setting: str) -> float:

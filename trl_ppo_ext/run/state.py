@@ -1,5 +1,6 @@
 """The run's own state beyond transformers' ``TrainerState``: :class:`RunCounters` (where the
-run is in the data, what went wrong), saved in ``ppo_state.json`` as a unit.
+run is in the data, what went wrong), saved in ``ppo_state.json`` as a unit; and
+:class:`OnlineTrainerState`, the ``TrainerState`` of an online run (episodes, why it stopped).
 
 Saving and loading a run is :mod:`trl_ppo_ext.run.checkpointing`.
 
@@ -13,6 +14,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+
+from transformers import TrainerState
 
 
 @dataclasses.dataclass
@@ -50,3 +53,12 @@ class RunCounters:
         self.critic_warmup_updates = int(counters.get("critic_warmup_updates", 0))
         self.critic_warmup_over = bool(counters.get("critic_warmup_over", False))
 
+
+
+@dataclasses.dataclass
+class OnlineTrainerState(TrainerState):
+    """``TrainerState`` plus the episodes (sampled responses) seen so far and why the run stopped."""
+
+    episode: int = 0
+    stop_reason: str | None = None  # a guard's message when a guard halted the run
+    halted_by: str | None = None  # the guard's name
