@@ -157,7 +157,7 @@ def test_gathered_and_full_state_are_plain_copies_without_zero3():
     assert sharding.full_state(layer.named_parameters(), keep=False) == {}
 
 
-# ---------------------------------------------------------------------- FSDP launches (tests/end_to_end/test_fsdp2.py runs one)
+# ------------------------------------------------------- FSDP launches (tests/end_to_end/test_fsdp2.py runs one)
 def _fsdp_env(monkeypatch, version="2", world="2"):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -90,7 +90,7 @@ from .rewards.batch import RewardReader, score_batch_rewards, text_scores
 from .rewards.building import build_run_rewards
 from .rewards.logs import RewardLogs
 from .rewards.process import ProcessRewardModel
-from .rewards.scoring import nonfinite_rewards, reward_function_kwargs
+from .rewards.scoring import reward_function_kwargs, say_nonfinite_rewards
 from .rollout import (
     Rollout,
     SampledBatch,
@@ -109,7 +109,7 @@ from .run.guards import GuardDecision, run_guards
 from .run.manifest import ManifestMixin
 from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
 from .run.state import OnlineTrainerState, RunCounters
-from .sampling import PolicySnapshot, RolloutSampler, build_agent_rollout, vllm_policy_engine
+from .sampling import PolicySnapshot, PromptFeed, RolloutSampler, build_agent_rollout, vllm_policy_engine
 from .scoring_plan import plan_scoring
 from .update import FIRST_LOGPROBS, Stepper, mini_batch_step, plan_micro_batches, stack_stats
 
@@ -203,7 +203,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
         # a critic-free estimator: no value head, adapter or model anywhere (a value model given is dropped, warned)
         wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic,
-                                                  value_adapter=args.use_value_adapter)
+                                                  value_adapter=args.use_value_adapter,
+                                                  value_branch_layer=args.value_branch_layer)
         self.policy_model = wrapper.policy
         self.value_model = None if not wrapper.has_value else value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
@@ -541,8 +542,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return repeat_batches(self.dataloader, self.counters)
 
     def produce_rollout(self) -> Rollout:
-        """The next scored rollout. The synchronous default generates it now from the next
-        batch; an asynchronous producer overrides this (its rollouts carry ``policy_version``)."""
+        """The next scored rollout: sampled now, or ahead in the background (``max_staleness > 0``)."""
+        if self.args.max_staleness > 0:  # rollouts carry their policy_version (RolloutSampler.next_sample)
+            feed = PromptFeed(self._repeat_dataloader, self.counters, self.repeated_prompts)
+            return self.score_rollout(self.sampler.next_sample(feed, self.sampling_policy()))
         return self.score_rollout(self.generate_rollout(self.repeated_prompts(next(self._batches))))
 
     def repeated_prompts(self, batch):
@@ -558,7 +561,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         while True:
             age = self.state.global_step - rollout.policy_version
             if self.args.max_rollout_age is None or age <= self.args.max_rollout_age:
-                self.guards.fresh_rollout(self._nonfinite_reward_cause(rollout, update))
+                self.guards.fresh_rollout(say_nonfinite_rewards(rollout, [r.name for r in self.rewards], update,
+                                                                self.args.batch_size))
                 self.counters.rollout_age = age
                 return rollout
             logger.warning("Update %d: discarded a rollout sampled %d updates ago (max_rollout_age=%d); "
@@ -568,20 +572,6 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                 return decision
             prompts = {"input_ids": rollout.queries, "attention_mask": rollout.query_mask, **rollout.extras}
             rollout = self.score_rollout(self.generate_rollout(prompts))
-
-    def _nonfinite_reward_cause(self, rollout: Rollout, update: int) -> str | None:
-        """Which reward returned NaN/inf for which of this process's completions (``rewards.scoring.
-        nonfinite_rewards``), said once here, and by the skipped step and the non-finite guard."""
-        if rollout.reward_values is None:
-            return None
-        cause = nonfinite_rewards(rollout.reward_values, rollout.reward_applies, [r.name for r in self.rewards])
-        if cause is not None:
-            logger.warning(
-                "Update %d: %s (of %d completions on this process). A non-finite score makes the update's loss "
-                "non-finite: its optimizer steps are skipped, so the whole update's %d completions are lost (the "
-                "non-finite guard, nonfinite_halt_after, halts a run of such updates). Return a finite number, or "
-                "None where a reward does not apply.", update, cause, rollout.batch_size, self.args.batch_size)
-        return cause
 
     def sampling_policy(self) -> PolicySnapshot:
         """The policy the next batch samples with: the model, the update it is for, its weights' version."""
@@ -857,10 +847,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def update_metrics(self, rollout: Rollout, adv: PPOTargets, stats: dict[str, torch.Tensor]) -> dict[str, float]:
         """This update's statistics over every process, the per-reward columns and the run's counters
         (``metrics.logged_update_metrics``)."""
-        return logged_update_metrics(
+        return {**logged_update_metrics(
             rollout, adv, stats, self.args, gather=self.accelerator.gather, device=self.accelerator.device,
             reference=self.scoring.reference, reward_names=[r.name for r in self.rewards], counters=self.counters,
-            reward_logs=self._take_reward_logs, tool_stats=self.sampler.tool_stats if self.agent_rollout else None)
+            reward_logs=self._take_reward_logs, tool_stats=self.sampler.tool_stats if self.agent_rollout else None),
+            **self.sampler.async_metrics(rollout)}  # async/*, off_policy/*: none when synchronous
 
     def _tool_metrics(self) -> dict[str, float]:
         """The tool loops' figures of this update, summed over every process (``metrics.tool_loop_metrics``)."""
@@ -908,6 +899,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.lr_scheduler.step()
         self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
         saved = self.control.should_save
+        self.sampler.end_update(self.sampling_policy(), checkpoint=saved)  # async: new weights; in-flight redone
         if saved:
             self._save_checkpoint(self.model, trial=None)
         # The checkpoint holds the RNG state as of now: what runs after it (callbacks, the

@@ -110,18 +110,6 @@ def test_a_cpu_trainer_trains_a_lora_policy_through_the_server_with_adapter_file
     assert trainer.engine is None  # train() closed it (its adapter versions unloaded, its files deleted)
 
 
-def _trainer_samples_ahead() -> bool:
-    """Whether ``PPOTrainer.produce_rollout`` hands rollouts to ``RolloutSampler.next_sample`` (the
-    trainer's side of ``max_staleness``; until it does, the asynchronous run below is skipped)."""
-    import inspect
-
-    from trl_ppo_ext import PPOTrainer
-
-    return "next_sample" in inspect.getsource(PPOTrainer.produce_rollout)
-
-
-@pytest.mark.skipif(not vllm_installed() or not _trainer_samples_ahead(),
-                    reason="needs vLLM and the trainer's max_staleness wiring")
 def test_an_asynchronous_run_trains_batches_at_most_max_staleness_versions_old(server, tmp_path):
     trainer = _trainer(server, tmp_path, max_staleness=1, total_episodes=12, off_policy_correction="decoupled",
                        vllm_importance_sampling_correction=False)

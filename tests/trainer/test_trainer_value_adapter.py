@@ -98,8 +98,6 @@ def test_a_branch_critic_trains_through_the_trainer(make_trainer, assert_metrics
     assert len(logs) == 2 and all(math.isfinite(h["val/explained_variance"]) for h in logs)
 
 
-@pytest.mark.xfail(strict=True, reason="PPOTrainer does not pass PPOConfig.value_branch_layer to "
-                   "build_policy_and_value yet; strict: remove this mark once it does")
 def test_the_config_field_builds_the_branch_critic(make_trainer, tok):
     trainer = make_trainer(tok, model=build_tiny_causal_lm(tok, seed=0, num_layers=4), ref_model=None,
                            value_model=None, reward_model=build_tiny_scorer(tok, seed=2),

@@ -578,6 +578,24 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
     return combine_scores(values, counted, weights), values, applies, total
 
 
+def say_nonfinite_rewards(rollout, names: Sequence[str], update: int, batch_size: int) -> str | None:
+    """:func:`nonfinite_rewards` of a scored rollout (``reward_values`` / ``reward_applies``, ``(B, F)``),
+    warned once with what it costs: a non-finite score makes the update's loss non-finite, so its
+    optimizer steps are skipped and all ``batch_size`` completions of the update are lost. The cause
+    returned is what the skipped step and the non-finite guard name; None when every value is finite
+    or the rollout has no per-reward values."""
+    if rollout.reward_values is None:
+        return None
+    cause = nonfinite_rewards(rollout.reward_values, rollout.reward_applies, names)
+    if cause is not None:
+        logger.warning(
+            "Update %d: %s (of %d completions on this process). A non-finite score makes the update's loss "
+            "non-finite: its optimizer steps are skipped, so the whole update's %d completions are lost (the "
+            "non-finite guard, nonfinite_halt_after, halts a run of such updates). Return a finite number, or "
+            "None where a reward does not apply.", update, cause, rollout.batch_size, batch_size)
+    return cause
+
+
 def nonfinite_rewards(values: torch.Tensor, applies: torch.Tensor, names: Sequence[str]) -> str | None:
     """Which reward returned a NaN or inf, for which completions: the cause a non-finite guard names.
 
