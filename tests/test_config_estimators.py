@@ -17,6 +17,7 @@ def test_defaults_are_todays_run(make_config):
 
 @pytest.mark.parametrize("estimator, critic", [
     ("gae", True), ("grpo", False), ("rloo", False), ("reinforce_pp", False), ("reinforce_pp_baseline", False),
+    ("gae_rloo", True),
 ])
 def test_each_estimator_is_accepted_and_says_whether_it_trains_a_critic(make_config, estimator, critic):
     config = make_config(advantage_estimator=estimator, num_generations=2)
@@ -91,3 +92,47 @@ def test_critic_settings_at_their_defaults_or_with_gae_say_nothing(make_config):
         warnings.simplefilter("error", UserWarning)
         make_config(advantage_estimator="grpo", num_generations=2)
         make_config(advantage_estimator="gae", lam=0.9, whiten_advantages=False, vf_coef=0.5)
+
+
+# ---------------------------------------------------------------- the critic's baselines and lambda
+def test_the_critic_baseline_fields_default_to_todays_run(make_config):
+    config = make_config()
+    assert (config.critic_gate_explained_variance, config.lam_length_min, config.lam_length_per_turn) == (
+        None, None, False)
+
+
+def test_gae_rloo_needs_groups(make_config):
+    with pytest.raises(ValueError, match="advantage_estimator='gae_rloo'.*num_generations >= 2"):
+        make_config(advantage_estimator="gae_rloo")
+
+
+@pytest.mark.parametrize("value", [1.5, float("nan")])
+def test_a_gate_threshold_above_one_is_refused(make_config, value):
+    with pytest.raises(ValueError, match="critic_gate_explained_variance must be a finite number <= 1"):
+        make_config(critic_gate_explained_variance=value)
+    assert make_config(critic_gate_explained_variance=0.0).critic_gate_explained_variance == 0.0
+
+
+def test_the_lambda_floor_and_per_turn_need_lam_length_alpha(make_config):
+    with pytest.raises(ValueError, match=r"lam_length_min=0.5 shapes the length-adaptive lambda.*lam_length_alpha"):
+        make_config(lam_length_min=0.5)
+    with pytest.raises(ValueError, match=r"lam_length_per_turn=True .*lam_length_alpha"):
+        make_config(lam_length_per_turn=True)
+    with pytest.raises(ValueError, match=r"lam_length_min must be in \[0, 1\]"):
+        make_config(lam_length_alpha=1.5, lam_length_min=2.0)
+    config = make_config(lam_length_alpha=1.5, lam_length_min=0.3, lam_length_per_turn=True)
+    assert (config.lam_length_min, config.lam_length_per_turn) == (0.3, True)
+
+
+def test_the_gate_with_a_critic_free_estimator_is_named_in_a_warning(make_config):
+    with pytest.warns(UserWarning, match="critic_gate_explained_variance=0.0"):
+        make_config(advantage_estimator="rloo", num_generations=2, critic_gate_explained_variance=0.0)
+
+
+def test_the_command_line_reads_the_new_fields(tmp_path):
+    (config,) = HfArgumentParser(PPOConfig).parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--num_generations", "2",
+        "--advantage_estimator", "gae_rloo", "--critic_gate_explained_variance", "0.0", "--lam_length_alpha", "1.5",
+        "--lam_length_min", "0.2", "--lam_length_per_turn", "True"])
+    assert config.advantage_estimator == "gae_rloo" and config.critic_gate_explained_variance == 0.0
+    assert (config.lam_length_min, config.lam_length_per_turn) == (0.2, True)

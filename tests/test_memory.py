@@ -483,7 +483,8 @@ def test_a_critic_free_run_of_separate_models_has_no_value_model():
 
 
 @pytest.mark.parametrize("estimator, critic", [("gae", True), ("grpo", False), ("rloo", False),
-                                               ("reinforce_pp", False), ("reinforce_pp_baseline", False)])
+                                               ("reinforce_pp", False), ("reinforce_pp_baseline", False),
+                                               ("gae_rloo", True)])
 def test_cli_advantage_estimator_sets_the_critic(estimator, critic, capsys):
     assert M.run_from_args(M.parse_args(["--preset", "llama-7b", "--advantage-estimator", estimator])).critic is critic
     M.main(["--preset", "llama-7b", "--four-models", "--base", "bf16", "--advantage-estimator", estimator])

@@ -15,7 +15,8 @@ policy sampled; environment tokens carry no reward, no KL and no GAE step):
    keeping the mean;
 4. GAE advantages and returns (``functional.masked_gae_decoupled``, or over the action tokens
    ``functional.action_masked_gae_decoupled``): the advantages with
-   ``lam`` (or VAPO's per-sequence ``length_adaptive_lam`` when ``lam_length_alpha`` is set),
+   ``lam`` (or VAPO's per-sequence ``length_adaptive_lam`` when ``lam_length_alpha`` is set,
+   per turn with ``lam_length_per_turn``, floored at ``lam_length_min``),
    the returns with ``value_lam`` (None: the advantages' lambda); the advantages optionally
    whitened over the whole batch (every process).
 
@@ -61,6 +62,11 @@ class PPOTargets:
     returns: torch.Tensor  # value targets: raw advantages + old values
     raw_advantage_mean: torch.Tensor  # () before whitening, for logging
     raw_advantage_std: torch.Tensor  # () before whitening, for logging
+    # the explained-variance gate (estimators.critic_targets), None when it is off: the EV it measured, ()
+    # over every process, and whether the advantages read the critic, () 1.0 (critic) or 0.0 (a baseline that
+    # does not read it)
+    gate_explained_variance: torch.Tensor | None = None
+    used_critic: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor | slice) -> PPOTargets:
         """The rows ``index`` of every per-sequence/per-token field; the scalars are kept."""
@@ -100,12 +106,30 @@ TARGET_FIELDS = (
     "kl_estimator", "missing_eos_penalty", "whiten_rewards", "whiten_advantages", "gamma", "lam",
     "value_lam", "lam_length_alpha",
 )
+# Read when the config has them, else their defaults (an object built before the fields existed).
+OPTIONAL_TARGET_FIELDS = {"lam_length_min": None, "lam_length_per_turn": False}
 
 
 def target_settings(args) -> dict:
     """The keyword arguments of :func:`compute_targets` read from a config (any object with the
-    ``TARGET_FIELDS`` attributes), all but ``kl_coef``."""
-    return {name: getattr(args, name) for name in TARGET_FIELDS}
+    ``TARGET_FIELDS`` attributes; ``OPTIONAL_TARGET_FIELDS`` where it has them), all but ``kl_coef``."""
+    return {**{name: getattr(args, name) for name in TARGET_FIELDS},
+            **{name: getattr(args, name, default) for name, default in OPTIONAL_TARGET_FIELDS.items()}}
+
+
+def policy_lambda(mask: torch.Tensor, lam: float, lam_length_alpha: float | None = None,
+                  lam_length_min: float | None = None, lam_length_per_turn: bool = False,
+                  dtype: torch.dtype = torch.float32) -> F.Lambda:
+    """The advantages' GAE lambda: ``lam``, or with ``lam_length_alpha`` VAPO's length-adaptive one,
+    ``max(lam_length_min, 1 - 1 / (alpha * L))`` (a None floor is 0), ``(B,)`` with L each row's
+    True tokens of ``mask`` (bool ``(B, T)``), ``(B, T)`` with L each token's turn with
+    ``lam_length_per_turn``."""
+    if lam_length_alpha is None:
+        return lam
+    floor = 0.0 if lam_length_min is None else lam_length_min
+    if lam_length_per_turn:  # (B, T): each token its turn's lambda
+        return F.turn_length_adaptive_lam(mask, lam_length_alpha, dtype, minimum=floor)
+    return F.length_adaptive_lam(mask, lam_length_alpha, dtype, minimum=floor)  # (B,)
 
 
 @torch.no_grad()
@@ -121,6 +145,8 @@ def compute_targets(
     lam: float,
     value_lam: float | None = None,
     lam_length_alpha: float | None = None,
+    lam_length_min: float | None = None,
+    lam_length_per_turn: bool = False,
 ) -> PPOTargets:
     """Shaped rewards -> masked GAE -> masked global whitening (see the module docstring).
 
@@ -138,6 +164,10 @@ def compute_targets(
         lam_length_alpha: when set, the advantages' lambda is
             ``functional.length_adaptive_lam(loss_mask, lam_length_alpha)``, one per
             sequence, instead of ``lam``; ``value_lam=None`` then follows it too.
+        lam_length_min: the floor of that lambda (None: 0, VAPO's clamp), so that a short
+            sequence or turn keeps some of its later TD errors.
+        lam_length_per_turn: L is the length of each token's turn (a run of action tokens:
+            ``functional.turn_length_adaptive_lam``), one lambda per token; False: per sequence.
 
     A row no reward applies to (:func:`scored_rows`: every reward function returned None; TRL
     GRPO's "unscorable" row) gets no policy gradient and no made-up value target: its advantages
@@ -159,8 +189,7 @@ def compute_targets(
         rewards, _ = F.add_token_rewards(rewards, rollout.token_rewards, rollout.response_mask, rollout.action_mask)
     if whiten_rewards:
         rewards = F.masked_global_whiten(rewards, counted, keep_mean=True)
-    if lam_length_alpha is not None:
-        lam = F.length_adaptive_lam(mask, lam_length_alpha, rewards.dtype)  # (B,), over the action tokens
+    lam = policy_lambda(mask, lam, lam_length_alpha, lam_length_min, lam_length_per_turn, rewards.dtype)
     if rollout.action_mask is None:
         advantages, returns = F.masked_gae_decoupled(rewards, rollout.values, mask, gamma, lam, value_lam)
     else:  # environment tokens are not steps: GAE over each row's action tokens

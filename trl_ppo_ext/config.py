@@ -39,6 +39,7 @@ from .run.preemption import ON_SIGTERM_CHOICES
 # Critic-recipe fields that None turns off; on the command line they arrive as text.
 RECIPE_OPTIONAL_FLOATS = (
     "value_lam", "lam_length_alpha", "cliprange_high", "dual_clip", "critic_warmup_explained_variance",
+    "critic_gate_explained_variance", "lam_length_min",
 )
 
 
@@ -152,8 +153,11 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             ``"reinforce_pp"``: REINFORCE++, per-token discounted returns whitened over the
             batch; ``"reinforce_pp_baseline"``: the group's mean score subtracted first. All but
             ``"gae"`` train no critic (no value head, no value loss); ``"grpo"``, ``"rloo"`` and
-            ``"reinforce_pp_baseline"`` need ``num_generations >= 2``. See
-            ``trl_ppo_ext.estimators``.
+            ``"reinforce_pp_baseline"`` need ``num_generations >= 2``. ``"gae_rloo"`` (needs
+            ``num_generations >= 2`` and trains a critic): the group's leave-one-out advantage of
+            the sequence return plus the critic's credit inside the episode, ``GAE(0, V - V_first)``;
+            a flat critic gives RLOO's advantages exactly (``trl_ppo_ext.critic_baselines``,
+            docs/critic.md). See ``trl_ppo_ext.estimators``.
         scale_rewards (`str`, defaults to `"group"`):
             TRL GRPO's values, read by ``advantage_estimator="grpo"`` only: ``"group"`` (or
             True) divides by the group's std, ``"batch"`` by the whole batch's, ``"none"`` (or
@@ -195,6 +199,26 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             policy's, detached (the value loss never reaches the policy's adapter), so the critic
             costs those layers instead of a second backbone pass (``models.branch_critic``; Llama,
             Mistral, Qwen2, Qwen3; docs/critic.md). None: the value adapter runs the whole backbone.
+        critic_gate_explained_variance (`float` or `None`, defaults to `None`):
+            The explained-variance gate (EVPO; EVPO uses 0.0): each update measures the explained
+            variance of the rollout's old values against its own value targets, over the action
+            tokens of every process, before the update; while it is ``<=`` this the advantages
+            use a baseline that does not read the critic, broadcast over each episode's action
+            tokens (the group's leave-one-out mean of the sequence returns with
+            ``num_generations >= 2``, else the batch mean). The critic trains as always. Logged
+            as ``train/gate_explained_variance`` and ``train/gate_used_critic`` (1 the critic, 0
+            the baseline). None: off. Needs a critic (``advantage_estimator`` ``"gae"`` or
+            ``"gae_rloo"``).
+        lam_length_min (`float` or `None`, defaults to `None`):
+            The floor of the length-adaptive lambda (``lam_length_alpha``):
+            ``max(lam_length_min, 1 - 1 / (alpha * L))``, so that a short response or turn (every
+            one of ``<= 1 / alpha`` tokens gets lambda 0 without it) keeps part of its later TD
+            errors. None: 0 (VAPO's clamp). Needs ``lam_length_alpha``.
+        lam_length_per_turn (`bool`, defaults to `False`):
+            The length-adaptive lambda's L is the length of each token's turn (a run of tokens
+            the policy sampled), one lambda per token, rather than the episode's action tokens
+            (SAO's per-turn use, with ``lam_length_alpha=1.5``). The same as False for
+            completions without environment tokens. Needs ``lam_length_alpha``.
     """
 
     entropy_coef: float = field(
@@ -352,12 +376,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             "of one process. Batch sizes and total_episodes count completions; per_device_train_batch_size * "
             "gradient_accumulation_steps must be a multiple of it. 1: each prompt sampled once."},
     )
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = field(
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae_rloo"] = field(
         default="gae",
         metadata={"help": "'gae' (the critic, default), 'grpo' (score minus group mean, over the std scale_rewards "
             "names), 'rloo' (leave-one-out group baseline), 'reinforce_pp' (REINFORCE++: discounted returns "
-            "whitened over the batch) or 'reinforce_pp_baseline' (group mean subtracted first). All but 'gae' "
-            "train no critic; grpo, rloo and reinforce_pp_baseline need num_generations >= 2."},
+            "whitened over the batch), 'reinforce_pp_baseline' (group mean subtracted first) or 'gae_rloo' (RLOO "
+            "across prompts plus the critic's credit inside the episode; RLOO exactly when the critic is flat). "
+            "Only 'gae' and 'gae_rloo' train a critic; all but 'gae' and 'reinforce_pp' need num_generations >= 2."},
     )
     scale_rewards: str = field(
         default="group",
@@ -400,6 +425,25 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         default=None,
         metadata={"help": "Where the 'adapter'/'files' weight sync writes, seen by the server under the same path. "
             "None: a temporary folder (a server on this machine)."},
+    )
+
+    critic_gate_explained_variance: float | str | None = field(
+        default=None,
+        metadata={"help": "Explained-variance gate (EVPO uses 0.0): while the rollout's explained variance (old "
+            "values against its value targets, before the update) is <= this, the advantages use a baseline that "
+            "does not read the critic (group leave-one-out mean with num_generations >= 2, else the batch mean). "
+            "Logged as train/gate_used_critic and train/gate_explained_variance. None: off."},
+    )
+    lam_length_min: float | str | None = field(
+        default=None,
+        metadata={"help": "Floor of the length-adaptive lambda: max(lam_length_min, 1 - 1/(lam_length_alpha * L)), "
+            "in [0, 1]; without it every response or turn of <= 1/alpha tokens gets lambda 0. None: 0. Needs "
+            "lam_length_alpha."},
+    )
+    lam_length_per_turn: bool = field(
+        default=False,
+        metadata={"help": "Length-adaptive lambda per turn: L is the length of each token's turn (a run of "
+            "policy tokens), not the episode's (SAO, with lam_length_alpha=1.5). Needs lam_length_alpha."},
     )
 
     def guard_settings(self) -> GuardSettings:
@@ -586,6 +630,29 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 f"PPOConfig.critic_warmup_explained_variance={threshold} needs critic_warmup_steps > 0 (the most "
                 "updates the warm-up may take), got critic_warmup_steps=0."
             )
+        self._check_critic_baseline_fields()
+
+    def _check_critic_baseline_fields(self) -> None:
+        """The gate's threshold and the length-adaptive lambda's floor and per-turn switch."""
+        gate = self.critic_gate_explained_variance
+        if gate is not None and not -math.inf < gate <= 1.0:  # nan fails too
+            raise ValueError(
+                f"PPOConfig.critic_gate_explained_variance must be a finite number <= 1 (EVPO uses 0.0: the critic "
+                f"is used once it explains any of the returns) or None (off), got {gate}."
+            )
+        floor = self.lam_length_min
+        if floor is not None and not 0.0 <= floor <= 1.0:
+            raise ValueError(f"PPOConfig.lam_length_min must be in [0, 1] or None (0, VAPO's clamp), got {floor}.")
+        if not isinstance(self.lam_length_per_turn, bool):
+            raise ValueError(f"PPOConfig.lam_length_per_turn must be True or False, got {self.lam_length_per_turn!r}.")
+        for name, value, default in (("lam_length_min", floor, None), ("lam_length_per_turn",
+                                                                       self.lam_length_per_turn, False)):
+            if value != default and self.lam_length_alpha is None:
+                raise ValueError(
+                    f"PPOConfig.{name}={value!r} shapes the length-adaptive lambda, which is off "
+                    "(lam_length_alpha=None). Set lam_length_alpha (VAPO: 0.05 for long answers, SAO: 1.5 for "
+                    f"agent turns), or leave {name} at {default!r}."
+                )
 
 
     @property

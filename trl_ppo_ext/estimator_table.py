@@ -12,7 +12,9 @@ Example:
 >>> ESTIMATOR_TABLE["grpo"].needs_critic, ESTIMATOR_TABLE["grpo"].needs_groups
 (False, True)
 >>> ESTIMATORS
-('gae', 'grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline')
+('gae', 'grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'gae_rloo')
+>>> ESTIMATOR_TABLE["gae_rloo"].needs_critic, ESTIMATOR_TABLE["gae_rloo"].needs_groups
+(True, True)
 >>> estimator("ppo")
 Traceback (most recent call last):
 ...
@@ -36,18 +38,20 @@ class Estimator:
     name: str  # PPOConfig.advantage_estimator's value
     needs_critic: bool  # reads V(s_t): a value head, adapter or model is trained beside the policy
     needs_groups: bool  # its baseline is the other samples of the prompt: num_generations >= 2
-    # the function of trl_ppo_ext.estimators that computes its targets (looked up there; GAE's is
-    # advantages.compute_targets, which reads the rollout itself, the others read its shaped rewards)
+    # the function of trl_ppo_ext.estimators that computes its targets (looked up there; the critic's rows
+    # read the rollout itself through estimators.critic_targets, the others read its shaped rewards)
     function: str
 
 
 ESTIMATOR_TABLE: dict[str, Estimator] = {e.name: e for e in (
-    Estimator("gae", needs_critic=True, needs_groups=False, function="compute_targets"),
+    Estimator("gae", needs_critic=True, needs_groups=False, function="gae_targets"),
     Estimator("grpo", needs_critic=False, needs_groups=True, function="grpo_targets"),
     Estimator("rloo", needs_critic=False, needs_groups=True, function="rloo_targets"),
     Estimator("reinforce_pp", needs_critic=False, needs_groups=False, function="reinforce_pp_targets"),
     Estimator("reinforce_pp_baseline", needs_critic=False, needs_groups=True,
               function="reinforce_pp_baseline_targets"),
+    # the group's leave-one-out advantage across prompts, the critic's GAE credit inside the episode
+    Estimator("gae_rloo", needs_critic=True, needs_groups=True, function="gae_rloo_targets"),
 )}
 
 # The table's names, and the two columns as name lists.
@@ -58,7 +62,7 @@ GROUP_ESTIMATORS = tuple(name for name, e in ESTIMATOR_TABLE.items() if e.needs_
 # The config fields only the critic's GAE path reads (advantages.compute_targets, the value loss): set with a
 # critic-free estimator, they are named in a warning (PPOConfig).
 CRITIC_ONLY_FIELDS = ("lam", "value_lam", "lam_length_alpha", "whiten_rewards", "whiten_advantages", "vf_coef",
-                      "cliprange_value")
+                      "cliprange_value", "lam_length_min", "lam_length_per_turn", "critic_gate_explained_variance")
 
 # TRL GRPOConfig.scale_rewards' values (True means "group" and False "none" there, and here).
 SCALE_REWARDS = ("group", "batch", "none")
@@ -72,7 +76,7 @@ def estimator(name: str) -> Estimator:
 
 
 def needs_critic(advantage_estimator: str) -> bool:
-    """Whether ``advantage_estimator`` reads the critic's values (only ``"gae"`` does).
+    """Whether ``advantage_estimator`` reads the critic's values (``"gae"`` and ``"gae_rloo"`` do).
 
     >>> needs_critic("gae"), needs_critic("grpo")
     (True, False)

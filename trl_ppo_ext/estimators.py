@@ -1,7 +1,8 @@
 """Advantage estimators other than the critic's GAE: GRPO, RLOO and REINFORCE++ (with and
 without a group baseline), and :func:`estimator_targets`, which computes a ``PPOTargets`` for
-any of the five ``advantage_estimator`` values through the row of ``estimator_table`` (``"gae"``
-goes to ``advantages.compute_targets``).
+any ``advantage_estimator`` value through the row of ``estimator_table`` (``"gae"`` and
+``"gae_rloo"`` go to :func:`critic_targets`: ``advantages.compute_targets``, with the
+explained-variance gate and the group-and-critic hybrid of ``critic_baselines``).
 
 Notation as in ``functional``: ``B`` sequences, ``T`` response tokens, ``(B, T)`` token
 tensors, ``(B,)`` per-sequence ones. ``action_mask`` ``(B, T)`` bool, True = a token the policy
@@ -35,13 +36,14 @@ tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from . import functional as F
-from .advantages import PPOTargets, compute_targets, scored_rows, target_settings
+from .advantages import PPOTargets, compute_targets, policy_lambda, scored_rows, target_settings
+from .critic_baselines import batch_mean_advantages, gate_explained_variance, group_critic_advantages
 from .estimator_table import (
     CRITIC_FREE_ESTIMATORS,
     ESTIMATORS,
@@ -59,7 +61,7 @@ __all__ = [
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "broadcast_sequence_advantages",
     "sequence_returns", "returns_to_go", "group_reward_metrics", "estimator_targets", "estimator_settings",
     "ShapedRewards", "TARGET_FUNCTIONS", "grpo_targets", "rloo_targets", "reinforce_pp_targets",
-    "reinforce_pp_baseline_targets",
+    "reinforce_pp_baseline_targets", "critic_targets", "gae_targets", "gae_rloo_targets",
 ]
 
 # TRL GRPO adds this to the std it divides by (grpo_trainer: `advantages / (std_rewards + 1e-4)`).
@@ -408,12 +410,16 @@ def estimator_targets(
     lam_length_alpha: float | None = None,
     scale_rewards="group",
     action_mask: Optional[torch.Tensor] = None,
+    lam_length_min: float | None = None,
+    lam_length_per_turn: bool = False,
+    critic_gate_explained_variance: float | None = None,
 ) -> PPOTargets:
     """The update's targets under ``advantage_estimator``; the arguments of
     ``advantages.compute_targets`` plus the estimator's.
 
-    ``"gae"`` is ``compute_targets`` with the same arguments (``num_generations`` and
-    ``scale_rewards`` unused). Otherwise no value is read, and:
+    ``"gae"`` and ``"gae_rloo"`` are :func:`critic_targets` (``"gae"`` with the gate off is
+    ``compute_targets`` with the same arguments; ``scale_rewards`` unused). Otherwise no value is
+    read, and:
 
     1. ``scores``: the rollout's, minus ``missing_eos_penalty`` where no stop token came;
     2. ``kl``, ``non_score_rewards = -kl_coef * kl`` and the shaped ``rewards`` on the action
@@ -431,8 +437,9 @@ def estimator_targets(
     GRPO's unscorable row) is out of every group and batch statistic and gets advantage 0 on
     every token (its KL term included): it moves nothing.
 
-    ``whiten_rewards``, ``whiten_advantages``, ``lam``, ``value_lam`` and ``lam_length_alpha``
-    are GAE's: the group estimators normalise by their own rule (``scale_rewards``; RLOO none,
+    ``whiten_rewards``, ``whiten_advantages``, ``lam``, ``value_lam``, ``lam_length_alpha``,
+    ``lam_length_min``, ``lam_length_per_turn`` and ``critic_gate_explained_variance`` are the
+    critic's: the group estimators normalise by their own rule (``scale_rewards``; RLOO none,
     TRL's default) and REINFORCE++ always whitens. ``gamma`` is read by REINFORCE++ and by
     ``"grpo"``'s KL return-to-go.
 
@@ -448,10 +455,13 @@ def estimator_targets(
     """
     gae_settings = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, missing_eos_penalty=missing_eos_penalty,
                         whiten_rewards=whiten_rewards, whiten_advantages=whiten_advantages, gamma=gamma, lam=lam,
-                        value_lam=value_lam, lam_length_alpha=lam_length_alpha)
+                        value_lam=value_lam, lam_length_alpha=lam_length_alpha, lam_length_min=lam_length_min,
+                        lam_length_per_turn=lam_length_per_turn)
     row = estimator(advantage_estimator)
     if row.needs_critic:
-        return TARGET_FUNCTIONS[row.function](rollout, **gae_settings)
+        return TARGET_FUNCTIONS[row.function](rollout, num_generations=num_generations,
+                                              critic_gate_explained_variance=critic_gate_explained_variance,
+                                              **gae_settings)
     mask = rollout.response_mask
     actions = action_mask if action_mask is not None else getattr(rollout, "action_mask", None)
     actions = mask if actions is None else actions
@@ -525,15 +535,77 @@ def reinforce_pp_baseline_targets(s: ShapedRewards, num_generations: int, scale_
     return advantages, returns, returns
 
 
-# The functions estimator_table's "function" column names.
-TARGET_FUNCTIONS = {f.__name__: f for f in (compute_targets, grpo_targets, rloo_targets, reinforce_pp_targets,
-                                            reinforce_pp_baseline_targets)}
+@torch.no_grad()
+def critic_targets(rollout: Rollout, *, hybrid: bool, num_generations: int,
+                   critic_gate_explained_variance: float | None = None, **gae_settings) -> PPOTargets:
+    """The targets of a run with a critic: ``compute_targets(rollout, **gae_settings)``, then
+
+    1. ``hybrid`` (``"gae_rloo"``): the advantages are ``critic_baselines.group_critic_advantages``
+       of :func:`rloo_advantages` of the rows' sequence returns ``S_b`` (the undiscounted sum of
+       the shaped rewards over the action tokens, RLOO's scalar): ``A[i_k] = (S_b - m_b) + C[i_k]``,
+       ``C = GAE(0, V - V[i_1]; gamma, lambda)`` with the run's gamma and (length-adaptive) lambda;
+       a flat critic gives RLOO's advantages exactly;
+    2. with ``critic_gate_explained_variance`` set, ``EV = gate_explained_variance(V_old, returns)``
+       over the action tokens of the scored rows (every process); where ``EV <= threshold`` the
+       advantages are a baseline that does not read the critic, broadcast over each row's action
+       tokens: :func:`rloo_advantages` of ``S`` with ``num_generations >= 2``, else
+       ``critic_baselines.batch_mean_advantages`` (EVPO's choice);
+    3. ``whiten_advantages`` as GAE's (over the batch, after 1 and 2; ``raw_advantage_*`` before).
+
+    The returns (value targets) are GAE's in every case: the critic keeps learning while the gate
+    holds it out. ``gate_explained_variance`` and ``used_critic`` record the gate (None when it is
+    off). Neither set: ``compute_targets``' result, bit for bit.
+    """
+    if not hybrid and critic_gate_explained_variance is None:
+        return compute_targets(rollout, **gae_settings)
+    targets = compute_targets(rollout, **{**gae_settings, "whiten_advantages": False})
+    mask = rollout.loss_mask
+    scored = scored_rows(rollout.reward_applies)
+    counted = mask if scored is None else mask & scored[:, None]
+    returns = sequence_returns(targets.rewards, mask)  # S_b, RLOO's scalar
+    baseline = (rloo_advantages(returns, num_generations, scored) if num_generations > 1
+                else batch_mean_advantages(returns, scored))
+    advantages, gate, used = targets.advantages, None, None
+    if hybrid:
+        lam = policy_lambda(mask, gae_settings["lam"], gae_settings.get("lam_length_alpha"),
+                            gae_settings.get("lam_length_min"), gae_settings.get("lam_length_per_turn", False),
+                            targets.rewards.dtype)
+        advantages = group_critic_advantages(baseline, rollout.values, rollout.response_mask, mask,
+                                             gae_settings["gamma"], lam).masked_fill(~counted, 0.0)
+    if critic_gate_explained_variance is not None:
+        gate = gate_explained_variance(rollout.values, targets.returns, counted)
+        used = (gate > critic_gate_explained_variance).to(gate.dtype)
+        if not bool(used):  # the same decision on every process: the EV is gathered
+            advantages = broadcast_sequence_advantages(baseline, counted)
+    advantages = advantages.to(targets.rewards.dtype)
+    raw_mean, raw_var = F.masked_global_mean_var(advantages, counted)
+    if gae_settings["whiten_advantages"]:
+        advantages = F.masked_global_whiten(advantages, counted)
+    return replace(targets, advantages=advantages, raw_advantage_mean=raw_mean, raw_advantage_std=raw_var.sqrt(),
+                   gate_explained_variance=gate, used_critic=used)
+
+
+def gae_targets(rollout: Rollout, **settings) -> PPOTargets:
+    """``"gae"``: :func:`critic_targets` without the hybrid (the critic's GAE, gated when asked)."""
+    return critic_targets(rollout, hybrid=False, **settings)
+
+
+def gae_rloo_targets(rollout: Rollout, **settings) -> PPOTargets:
+    """``"gae_rloo"``: :func:`critic_targets` with the hybrid (RLOO across prompts, the critic inside)."""
+    return critic_targets(rollout, hybrid=True, **settings)
+
+
+# The functions estimator_table's "function" column names (compute_targets: GAE alone, the critic rows' core).
+TARGET_FUNCTIONS = {f.__name__: f for f in (gae_targets, gae_rloo_targets, compute_targets, grpo_targets,
+                                            rloo_targets, reinforce_pp_targets, reinforce_pp_baseline_targets)}
 
 
 def estimator_settings(args) -> dict:
     """The keyword arguments of :func:`estimator_targets` read from a config, all but ``kl_coef``:
-    ``advantages.target_settings(args)`` plus ``advantage_estimator``, ``num_generations`` and
-    ``scale_rewards`` (defaults ``"gae"``, 1, ``"group"`` for a config without them)."""
+    ``advantages.target_settings(args)`` plus ``advantage_estimator``, ``num_generations``,
+    ``scale_rewards`` and ``critic_gate_explained_variance`` (defaults ``"gae"``, 1, ``"group"``,
+    None for a config without them)."""
     return {**target_settings(args), "advantage_estimator": getattr(args, "advantage_estimator", "gae"),
             "num_generations": getattr(args, "num_generations", 1),
-            "scale_rewards": getattr(args, "scale_rewards", "group")}
+            "scale_rewards": getattr(args, "scale_rewards", "group"),
+            "critic_gate_explained_variance": getattr(args, "critic_gate_explained_variance", None)}

@@ -35,6 +35,7 @@ __all__ = [
     "masked_gae_loop",
     "masked_gae_decoupled",
     "length_adaptive_lam",
+    "turn_length_adaptive_lam",
     "masked_mean",
     "masked_var",
     "masked_token_mean",
@@ -252,25 +253,30 @@ def shaped_rewards(
 # --------------------------------------------------------------------------- GAE
 
 
-Lambda = Union[float, torch.Tensor]  # one GAE lambda for the batch, or a (B,) tensor: one per sequence
+Lambda = Union[float, torch.Tensor]  # one GAE lambda for the batch, (B,) one per sequence, or (B, T) one per token
 
 
-def _check_lambda(name: str, lam: Lambda, batch: int) -> Lambda:
-    """``lam`` as a float or a (B,) float tensor, every value in [0, 1] (a 0-dim tensor -> float)."""
+def _check_lambda(name: str, lam: Lambda, batch: int, length: Optional[int] = None) -> Lambda:
+    """``lam`` as a float, a (B,) float tensor or, where ``length`` is given, a (B, T) one; every
+    value in [0, 1] (a 0-dim tensor -> float). A (B, T) lambda is read at the token whose
+    recursion step it weights: ``A_t = delta_t + gamma * lam[b, t] * A_{t+1}``."""
     if not isinstance(lam, torch.Tensor):
         _check_range(name, lam, 0.0, 1.0)
         return lam
     if lam.dim() == 0:
-        return _check_lambda(name, lam.item(), batch)
-    if tuple(lam.shape) != (batch,):
+        return _check_lambda(name, lam.item(), batch, length)
+    if tuple(lam.shape) != (batch,) and (length is None or tuple(lam.shape) != (batch, length)):
+        per_token = "" if length is None else f" or a (B, T) tensor with one per token (T = {length})"
         raise ValueError(
-            f"{name} must be a float or a (B,) tensor with one value per sequence (B = {batch}), "
+            f"{name} must be a float, a (B,) tensor with one value per sequence (B = {batch}){per_token}, "
             f"got shape {tuple(lam.shape)}"
         )
     outside = ~((lam >= 0) & (lam <= 1))  # nan is outside too
     if outside.any():
-        first = int(outside.nonzero()[0, 0])
-        raise ValueError(f"{name} must be in [0.0, 1.0] for every sequence, got {name}[{first}]={lam[first].item()!r}")
+        first = tuple(int(i) for i in outside.nonzero()[0])
+        where = first[0] if len(first) == 1 else first
+        raise ValueError(
+            f"{name} must be in [0.0, 1.0] for every sequence, got {name}[{where}]={lam[first].item()!r}")
     return lam if lam.is_floating_point() else lam.float()
 
 
@@ -280,7 +286,7 @@ def _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda) -> 
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must have shape (B, T), got {tuple(response_mask.shape)}")
     _check_range("gamma", gamma, 0.0, 1.0)
-    return _check_lambda("gae_lambda", gae_lambda, response_mask.shape[0])
+    return _check_lambda("gae_lambda", gae_lambda, *response_mask.shape)
 
 
 def masked_gae_loop(
@@ -316,7 +322,8 @@ def masked_gae_loop(
         next_value = torch.where(cont, next_value, zero)
         next_advantage = torch.where(cont, next_advantage, zero)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = torch.where(valid, delta + gamma * gae_lambda * next_advantage, zero)
+        lam_t = gae_lambda[:, t] if isinstance(gae_lambda, torch.Tensor) and gae_lambda.dim() == 2 else gae_lambda
+        advantage = torch.where(valid, delta + gamma * lam_t * next_advantage, zero)
         columns.append(advantage)
         next_value, next_advantage, next_valid = values[:, t], advantage, valid
     if not columns:
@@ -346,9 +353,10 @@ def _masked_deltas(token_rewards, values, response_mask, gamma):
 
 
 def _masked_gae_scan(deltas, cont, response_mask, gamma: float, gae_lambda: Lambda, zero) -> torch.Tensor:
-    """``A[b, t] = deltas[b, t] + gamma * lambda_b * cont[b, t] * A[b, t + 1]``, 0 outside the mask."""
+    """``A[b, t] = deltas[b, t] + gamma * lambda_bt * cont[b, t] * A[b, t + 1]``, 0 outside the mask
+    (``lambda_bt`` the float, row b's of a (B,) lambda, or [b, t] of a (B, T) one)."""
     if isinstance(gae_lambda, torch.Tensor):
-        discount = gamma * gae_lambda.to(device=deltas.device, dtype=deltas.dtype)  # (B,)
+        discount = gamma * gae_lambda.to(device=deltas.device, dtype=deltas.dtype)  # (B,) or (B, T)
     else:
         discount = gamma * gae_lambda
     advantages = _reverse_discounted_scan(deltas, cont, discount)
@@ -380,8 +388,9 @@ def masked_gae(
         values: critic values V_t of the rollout (old) policy, shape (B, T).
         response_mask: bool (B, T).
         gamma: discount in [0, 1].
-        gae_lambda: GAE lambda in [0, 1]: a float, or a (B,) tensor with one lambda per
-            sequence (e.g. `length_adaptive_lam`).
+        gae_lambda: GAE lambda in [0, 1]: a float, a (B,) tensor with one lambda per
+            sequence (e.g. `length_adaptive_lam`), or a (B, T) tensor with one per token (e.g.
+            `turn_length_adaptive_lam`), read at the step it weights.
 
     Returns:
         ``(advantages, returns)``, both (B, T), computed and returned in the inputs'
@@ -431,7 +440,7 @@ def masked_gae_decoupled(
     """
     gae_lambda = _check_gae_args(token_rewards, values, response_mask, gamma, gae_lambda)
     if value_lambda is not None:
-        value_lambda = _check_lambda("value_lambda", value_lambda, response_mask.shape[0])
+        value_lambda = _check_lambda("value_lambda", value_lambda, *response_mask.shape)
     deltas, values, cont, zero = _masked_deltas(token_rewards, values, response_mask, gamma)
     advantages = _masked_gae_scan(deltas, cont, response_mask, gamma, gae_lambda, zero)
     if value_lambda is None:
@@ -443,40 +452,89 @@ def masked_gae_decoupled(
 
 
 def length_adaptive_lam(
-    response_mask: torch.Tensor, alpha: float, dtype: torch.dtype = torch.float32
+    response_mask: torch.Tensor, alpha: float, dtype: torch.dtype = torch.float32, minimum: float = 0.0
 ) -> torch.Tensor:
-    """VAPO's length-adaptive GAE lambda, one per sequence: ``1 - 1 / (alpha * L)``.
+    """VAPO's length-adaptive GAE lambda, one per sequence: ``max(minimum, 1 - 1 / (alpha * L))``.
 
     L is the number of valid tokens of the sequence, so the effective horizon
     ``1 / (1 - lambda)`` is ``alpha * L``: a long response keeps more of its distant reward
     in each token's advantage (VAPO, arXiv 2504.05118, uses alpha = 0.05). Where
     ``alpha * L <= 1`` (an empty row included) the formula would give lambda <= 0; it is
-    clamped to 0 there. Equivalent to::
+    clamped to ``minimum`` there (0 by default: VAPO's pure TD step, which with alpha = 0.05
+    every sequence of <= 20 tokens gets). Equivalent to::
 
-        [max(0.0, 1 - 1 / (alpha * L)) if alpha * L > 1 else 0.0 for L in response_mask.sum(1)]
+        [max(minimum, 1 - 1 / (alpha * L)) if alpha * L > 1 else minimum for L in response_mask.sum(1)]
 
     Args:
         response_mask: bool (B, T); a row's L counts every True position (holes included).
         alpha: > 0, finite.
         dtype: float dtype of the result (computed in float64 unless on MPS).
+        minimum: the floor, in [0, 1].
 
     Returns:
-        (B,) lambdas in [0, 1), ready for ``gae_lambda`` of `masked_gae` /
+        (B,) lambdas in [minimum, 1), ready for ``gae_lambda`` of `masked_gae` /
         `masked_gae_decoupled`.
 
     Example:
         >>> length_adaptive_lam(torch.tensor([[True] * 40, [True] * 10 + [False] * 30]), 0.05)
         tensor([0.5000, 0.0000])
+        >>> length_adaptive_lam(torch.tensor([[True] * 40, [True] * 10 + [False] * 30]), 0.05, minimum=0.9)
+        tensor([0.9000, 0.9000])
     """
     _check_mask(response_mask)
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must have shape (B, T), got {tuple(response_mask.shape)}")
+    acc = _accumulation_dtype(response_mask)
+    return _lam_of_length(response_mask.sum(dim=1).to(acc), alpha, minimum).to(dtype)
+
+
+def _lam_of_length(length: torch.Tensor, alpha: float, minimum: float) -> torch.Tensor:
+    """``max(minimum, 1 - 1 / (alpha * length))`` elementwise, ``minimum`` where ``alpha * length <= 1``."""
     if not 0 < alpha < math.inf:  # nan fails too
         raise ValueError(f"alpha must be a finite number > 0 (VAPO uses 0.05), got alpha={alpha!r}")
-    acc = _accumulation_dtype(response_mask)
-    horizon = alpha * response_mask.sum(dim=1).to(acc)  # alpha * L, (B,)
+    _check_range("minimum", minimum, 0.0, 1.0)
+    horizon = alpha * length  # alpha * L
     safe_horizon = torch.where(horizon > 1, horizon, 1)  # double where: no 1/0 in either branch
-    return torch.where(horizon > 1, 1 - 1 / safe_horizon, 0).to(dtype)
+    return torch.where(horizon > 1, 1 - 1 / safe_horizon, 0).clamp(min=minimum)
+
+
+def turn_length_adaptive_lam(
+    action_mask: torch.Tensor, alpha: float, dtype: torch.dtype = torch.float32, minimum: float = 0.0
+) -> torch.Tensor:
+    """The length-adaptive lambda of `length_adaptive_lam` with L the length of each token's turn.
+
+    Each run of True in ``action_mask`` is one turn (`turn_ends`); every token of a turn of
+    ``l`` tokens gets ``max(minimum, 1 - 1 / (alpha * l))``, so a short tool call between long
+    replies is not held to the episode's horizon, nor a long reply to a short call's. With one
+    run per row (a plain response) every token gets its row's `length_adaptive_lam`. SAO's
+    choice for agent turns is alpha = 1.5 (lambda 0.33 at l = 1, 0.93 at l = 10). Equivalent to::
+
+        for b, each run [s, e] of True in action_mask[b]:
+            lam[b, s:e + 1] = max(minimum, 1 - 1 / (alpha * (e - s + 1)))   # 0 off the runs
+
+    Args:
+        action_mask: bool (B, T), True = a token the policy sampled.
+        alpha: > 0, finite. dtype: float dtype of the result. minimum: the floor, in [0, 1].
+
+    Returns:
+        (B, T) lambdas, 0 where ``action_mask`` is False (no GAE step reads them there), ready for
+        ``gae_lambda`` of `action_masked_gae` / `masked_gae`.
+
+    Example (a turn of 2 tokens, an environment token, a turn of 4):
+        >>> turn_length_adaptive_lam(torch.tensor([[True, True, False, True, True, True, True]]), 0.5)
+        tensor([[0.0000, 0.0000, 0.0000, 0.5000, 0.5000, 0.5000, 0.5000]])
+    """
+    _check_mask(action_mask, "action_mask")
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must have shape (B, T), got {tuple(action_mask.shape)}")
+    acc = _accumulation_dtype(action_mask)
+    before = torch.nn.functional.pad(action_mask[:, :-1], (1, 0))  # before[b, t] = action_mask[b, t - 1]
+    turn = torch.cumsum(action_mask & ~before, dim=1)  # the turn number of t, 1-based, on action tokens
+    index = torch.where(action_mask, turn, 0)  # column 0 of `length` collects the other tokens
+    length = torch.zeros(action_mask.shape[0], action_mask.shape[1] + 1, dtype=acc, device=action_mask.device)
+    length = length.scatter_add(1, index, action_mask.to(acc))  # length[b, k] = tokens of turn k
+    lam = _lam_of_length(length.gather(1, index), alpha, minimum)
+    return torch.where(action_mask, lam, 0).to(dtype)
 
 
 def _shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -500,15 +558,16 @@ def _reverse_discounted_scan(
     through O(log T) roundings, and memory is a few (B, T) tensors.
 
     Args:
-        x: (B, T) float, finite. cont: (B, T) bool. discount: c in [0, 1], a float or a
-            (B,) tensor of x's dtype (one c per row).
+        x: (B, T) float, finite. cont: (B, T) bool. discount: c in [0, 1], a float, a
+            (B,) tensor of x's dtype (one c per row) or a (B, T) one (``c[b, t]`` weights
+            ``y[:, t + 1]`` in ``y[:, t]``).
 
     Returns:
         (B, T) y, same dtype as x.
     """
     y = x
     if isinstance(discount, torch.Tensor):
-        per_row = discount[:, None]  # (B, 1)
+        per_row = discount[:, None] if discount.dim() == 1 else discount  # (B, 1) or (B, T)
     else:
         per_row = torch.full((), discount, dtype=x.dtype, device=x.device)
     a = torch.where(cont, per_row, 0)
@@ -1258,7 +1317,8 @@ def action_masked_gae(
         response_mask: bool (B, T), the real response tokens.
         action_mask: bool (B, T), True = the policy sampled the token; inside ``response_mask``.
         gamma: discount in [0, 1].
-        gae_lambda: a float in [0, 1] or a (B,) tensor (e.g. ``length_adaptive_lam(action_mask, a)``).
+        gae_lambda: a float in [0, 1], a (B,) tensor (e.g. ``length_adaptive_lam(action_mask, a)``)
+            or a (B, T) one (e.g. ``turn_length_adaptive_lam(action_mask, a)``), read on action tokens.
 
     Returns:
         ``(advantages, returns)``, both (B, T) in the inputs' promoted dtype (at least
@@ -1273,6 +1333,13 @@ def action_masked_gae(
         tensor([[0.5068, 0.4520, 0.0000, 0.0000, 0.0000, 0.2800, 0.2000]])
     """
     return action_masked_gae_decoupled(token_rewards, values, response_mask, action_mask, gamma, gae_lambda)
+
+
+def _compact_lambda(lam: Optional[Lambda], order: torch.Tensor) -> Optional[Lambda]:
+    """A (B, T) per-token lambda reordered like the tokens (``lam.gather(1, order)``); any other as it is."""
+    if isinstance(lam, torch.Tensor) and lam.dim() == 2:
+        return lam.gather(1, order)
+    return lam
 
 
 def action_masked_gae_decoupled(
@@ -1293,7 +1360,7 @@ def action_masked_gae_decoupled(
     Args:
         token_rewards, values, response_mask, action_mask, gamma, gae_lambda: as
             `action_masked_gae`, (B, T) tensors. value_lambda: a float in [0, 1], a (B,)
-            tensor, or None.
+            or (B, T) tensor, or None.
 
     Returns:
         ``(advantages, returns)``, both (B, T), exactly 0 off the action tokens.
@@ -1307,7 +1374,8 @@ def action_masked_gae_decoupled(
     lengths = action_mask.sum(dim=1, keepdim=True)  # n_b, (B, 1)
     compact_mask = torch.arange(action_mask.shape[1], device=action_mask.device) < lengths
     compact_advantages, compact_returns = masked_gae_decoupled(
-        token_rewards.gather(1, order), values.gather(1, order), compact_mask, gamma, gae_lambda, value_lambda
+        token_rewards.gather(1, order), values.gather(1, order), compact_mask, gamma,
+        _compact_lambda(gae_lambda, order), _compact_lambda(value_lambda, order),
     )
     # rank[b, t] = number of action tokens of row b before t: t's place in the compacted row
     rank = (torch.cumsum(action_mask, dim=1) - 1).clamp(min=0)

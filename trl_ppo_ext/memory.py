@@ -250,8 +250,9 @@ class PPORun:
         gradient_checkpointing: recompute each layer in backward instead of keeping its
             activations. On by default, as in the trainer (TRL's ``gradient_checkpointing=True``).
         reward_model: the reward model's shape; None -> the policy's.
-        critic: False models an advantage estimator that reads no value (``PPOConfig.
-            advantage_estimator`` other than ``"gae"``: GRPO, RLOO, REINFORCE++): no value head
+        critic: False models an advantage estimator that reads no value (a ``PPOConfig.
+            advantage_estimator`` whose row of ``estimator_table`` needs no critic: GRPO, RLOO,
+            REINFORCE++; ``"gae"`` and ``"gae_rloo"`` read one): no value head
             (shared) or value model (four models -> three), none of their weights, gradients,
             optimizer state or activations.
 
@@ -869,8 +870,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--lora-target-modules", default=",".join(defaults.lora_target_modules),
                      help="comma-separated names, or all-linear")
     run.add_argument("--advantage-estimator", choices=ESTIMATOR_CHOICES, default="gae",
-                     help="gae trains a critic; grpo, rloo, reinforce_pp and reinforce_pp_baseline have none, and "
-                          "the estimate counts no value head or value model")
+                     help=f"{' and '.join(e for e in ESTIMATOR_CHOICES if needs_critic(e))} train a critic; "
+                          f"{', '.join(e for e in ESTIMATOR_CHOICES if not needs_critic(e))} have none, and the "
+                          "estimate counts no value head or value model for them")
     run.add_argument("--offload-reward-model", action="store_true")
     run.add_argument("--offload-ref-model", action="store_true")
     run.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,

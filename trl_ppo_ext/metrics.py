@@ -55,6 +55,9 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
     episode. An episode with turns (``rollout.action_mask`` set) adds ``rollout/turns_mean`` (policy
     turns per episode), ``rollout/env_token_frac`` (the share of response tokens the policy did not
     sample) and ``rollout/ends_on_env_frac`` (episodes whose last token is an environment's).
+    With the explained-variance gate on (``targets.used_critic`` set): ``train/gate_used_critic``
+    (1 the critic's advantages, 0 the baseline that does not read it) and
+    ``train/gate_explained_variance`` (the explained variance the gate measured, every process's).
     """
     mask = rollout.loss_mask
     lengths = mask.sum(1).float()
@@ -63,6 +66,10 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
                for side in ("lower", "upper", "dual") if f"pg_clipfrac_{side}" in stats}
     per_token = {} if rollout.token_rewards is None else {
         "objective/token_rewards": rollout.token_rewards.masked_fill(~mask, 0.0).sum(1).mean()}
+    gate = {}
+    if getattr(targets, "used_critic", None) is not None:  # the explained-variance gate is on
+        gate = {"train/gate_used_critic": targets.used_critic, "train/gate_explained_variance":
+                targets.gate_explained_variance}  # both the same on every process (the EV is gathered)
     turns = {}
     if rollout.action_mask is not None:
         figures = turn_statistics(rollout.response_mask, rollout.action_mask)
@@ -72,6 +79,7 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
     return {
         **per_token,
         **turns,
+        **gate,
         "objective/scores": targets.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
         "objective/scores_before_penalty": rollout.scores.mean(),
         "objective/non_score_reward": targets.non_score_rewards.sum(1).mean(),

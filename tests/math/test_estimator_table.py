@@ -21,16 +21,17 @@ from trl_ppo_ext.estimator_table import (
 
 
 def test_the_rows_and_their_columns():
-    assert ESTIMATORS == ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    assert ESTIMATORS == ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae_rloo")
     assert CRITIC_FREE_ESTIMATORS == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-    assert GROUP_ESTIMATORS == ("grpo", "rloo", "reinforce_pp_baseline")
-    assert [needs_critic(name) for name in ESTIMATORS] == [True, False, False, False, False]
+    assert GROUP_ESTIMATORS == ("grpo", "rloo", "reinforce_pp_baseline", "gae_rloo")
+    assert [needs_critic(name) for name in ESTIMATORS] == [True, False, False, False, False, True]
 
 
 def test_every_rows_function_is_one_of_the_estimators_module():
     for row in ESTIMATOR_TABLE.values():
         assert callable(estimators.TARGET_FUNCTIONS[row.function]), row.name
-    assert estimators.TARGET_FUNCTIONS["compute_targets"] is estimators.compute_targets  # GAE's
+    # the critic's rows go through critic_targets; compute_targets stays listed as their core
+    assert estimators.TARGET_FUNCTIONS["compute_targets"] is estimators.compute_targets
 
 
 def test_an_unknown_name_is_refused_with_the_known_ones():

@@ -42,7 +42,7 @@ def test_group_estimators_refuse_one_sample_per_prompt(fn, name):
 
 
 def test_needs_critic_and_scale_rewards_values():
-    assert [E.needs_critic(e) for e in E.ESTIMATORS] == [True, False, False, False, False]
+    assert [E.needs_critic(e) for e in E.ESTIMATORS] == [True, False, False, False, False, True]
     with pytest.raises(ValueError, match="advantage_estimator must be one of"):
         E.needs_critic("ppo")
     assert [E.resolve_scale_rewards(v) for v in (True, False, "group", "batch", "none")] == [

@@ -153,7 +153,7 @@ def test_the_checks_catch_what_they_look_for():
 
 # Folders that group tests by what they exercise, beside the folders that mirror package folders.
 MATH_MODULES = {"advantages", "functional", "losses", "kl_control", "gradients", "estimators", "estimator_table",
-                "off_policy"}
+                "critic_baselines", "off_policy"}
 GROUPS = {
     "math": "the pure tensor modules (each file named for one of MATH_MODULES)",
     "trainer": "PPOTrainer's own behaviour, phase by phase (test_trainer*.py)",
