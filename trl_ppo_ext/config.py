@@ -26,13 +26,11 @@ from ._compat import PPOConfigBase, upstream_ppo_config
 from ._utils import optional_number_from_text
 from .agents.arguments import ToolArguments
 from .batching import check_local_batch
-from .choices import KL_ESTIMATORS, LOSS_TYPES
+from .choices import KL_ESTIMATORS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SERVER_WEIGHT_SYNC_CHOICES
 from .estimator_table import CRITIC_ONLY_FIELDS, ESTIMATORS, estimator, resolve_scale_rewards
 from .generation.arguments import VLLMArguments
 from .generation.base import VLLM_MIN_TEMPERATURE
-from .generation.server_weights import SERVER_WEIGHT_SYNC_CHOICES
 from .grpo_names import GRPOFields, refuse_foreign_names
-from .off_policy import OFF_POLICY_CORRECTIONS
 from .run.guards import GuardSettings
 from .run.preemption import ON_SIGTERM_CHOICES
 

@@ -49,8 +49,7 @@ import math
 import torch
 
 from . import losses
-
-OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")
+from .choices import OFF_POLICY_CORRECTIONS
 
 # The keys :func:`off_policy_stats` logs.
 OFF_POLICY_KEYS = (

@@ -43,12 +43,11 @@ import urllib.request
 
 from torch import nn
 
+from ..choices import SERVER_WEIGHT_SYNC_CHOICES, SERVER_WEIGHT_SYNCS
 from .vllm_server import ServerError, VLLMServerEngine, _http_json, _with_retries
 from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy_adapter
 
-SERVER_WEIGHT_SYNCS = ("adapter", "files")
 # what a config may ask for: "auto" chooses (``choose_server_weight_sync``), "nccl" is ``VLLMServerEngine``'s push
-SERVER_WEIGHT_SYNC_CHOICES = ("auto", "nccl", *SERVER_WEIGHT_SYNCS)
 
 
 def _http_text(url: str, payload: dict, timeout: float) -> str:

@@ -39,7 +39,16 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from . import branch_critic
+from .branch_critic import (
+    branch_lora_config,
+    capture_layer_inputs,
+    check_adapter_above_branch,
+    decoder_stack,
+    num_decoder_layers,
+    resolve_branch_layer,
+    run_layers_above,
+    switch_adapter_at_branch,
+)
 from .fsdp import is_fsdp2_model, unit_class_names
 from .policy_value import (
     GeneratesWithPolicy,
@@ -181,8 +190,8 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
         self.value_branch_layer = None
         if value_branch_layer is not None:  # refused before peft changes the caller's model
             base = base_model.get_base_model() if isinstance(base_model, PeftModel) else base_model
-            self.value_branch_layer = branch_critic.resolve_branch_layer(
-                value_branch_layer, branch_critic.num_decoder_layers(base))
+            self.value_branch_layer = resolve_branch_layer(
+                value_branch_layer, num_decoder_layers(base))
         self.policy = self._wrap_policy(base_model, lora_config)
         self.policy_adapter = self.policy.active_adapter
         self.value_adapter = self._add_value_adapter(value_lora_config)
@@ -241,12 +250,12 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
                     "value_branch_layer=None."
                 )
             if k is not None:
-                branch_critic.check_adapter_above_branch(
+                check_adapter_above_branch(
                     self.policy.peft_config[VALUE_ADAPTER_NAME].layers_to_transform, k)
             return VALUE_ADAPTER_NAME if exists else None
         if k is not None:
-            num_layers = branch_critic.num_decoder_layers(self.policy.get_base_model())
-            value_lora_config = branch_critic.branch_lora_config(value_lora_config, k, num_layers)
+            num_layers = num_decoder_layers(self.policy.get_base_model())
+            value_lora_config = branch_lora_config(value_lora_config, k, num_layers)
         if exists:
             raise ValueError(
                 f"value_lora_config was given but the policy already has an adapter named "
@@ -320,16 +329,16 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
         nothing (None) without a branch critic."""
         if self.value_branch_layer is None:
             return contextlib.nullcontext()
-        layers, _ = branch_critic.decoder_stack(self.policy.get_base_model())
-        return branch_critic.capture_layer_inputs(layers, self.value_branch_layer)
+        layers, _ = decoder_stack(self.policy.get_base_model())
+        return capture_layer_inputs(layers, self.value_branch_layer)
 
     def _branch_hidden_states(self, branch_inputs: list) -> torch.Tensor:
         """The branch critic's final hidden states from the policy pass's record: the layers above
         the branch under the value adapter, the branch detached. Shape: (B, L, H)."""
         self._check_value_pass()
-        layers, norm = branch_critic.decoder_stack(self.policy.get_base_model())
+        layers, norm = decoder_stack(self.policy.get_base_model())
         with self._active_adapter(self.value_adapter):
-            return branch_critic.run_layers_above(layers, norm, self.value_branch_layer, branch_inputs)
+            return run_layers_above(layers, norm, self.value_branch_layer, branch_inputs)
 
     def _check_value_pass(self) -> None:
         """Refuse a value pass that checkpointing would recompute under the wrong adapter, or that
@@ -354,9 +363,9 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
         self._check_value_pass()
         base = self.policy.get_base_model()
         if self.value_branch_layer is not None:
-            layers, _ = branch_critic.decoder_stack(base)
+            layers, _ = decoder_stack(base)
             backbone = getattr(base, base.base_model_prefix)
-            with self._policy_active(), branch_critic.switch_adapter_at_branch(
+            with self._policy_active(), switch_adapter_at_branch(
                     layers, self.value_branch_layer, lambda: self._active_adapter(self.value_adapter)):
                 return backbone(input_ids=input_ids, attention_mask=attention_mask,
                                 position_ids=position_ids, use_cache=False).last_hidden_state
