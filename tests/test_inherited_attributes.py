@@ -25,8 +25,9 @@ ENTRY_POINTS = (
     "add_callback", "create_model_card", "create_optimizer_and_scheduler", "init_hf_repo",
     "is_local_process_zero", "is_world_process_zero", "log", "push_to_hub", "store_flos",
 )
-# Reached through super() from save_model (ours on our own base, TRL's PPOTrainer's otherwise).
-EXTRA_FUNCTIONS = (transformers.Trainer.save_model,)
+# Reached through super() from save_model (ours on our own base, TRL's PPOTrainer's otherwise) and
+# from create_optimizer (the critic's learning rate).
+EXTRA_FUNCTIONS = (transformers.Trainer.save_model, transformers.Trainer.create_optimizer)
 
 # The instance attributes those methods read (transformers 5.x, TRL 1.0 - 1.16).
 PINNED = {

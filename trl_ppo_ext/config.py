@@ -217,6 +217,14 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             the policy sampled), one lambda per token, rather than the episode's action tokens
             (SAO's per-turn use, with ``lam_length_alpha=1.5``). The same as False for
             completions without environment tokens. Needs ``lam_length_alpha``.
+        critic_lr_multiplier (`float`, defaults to `1.0`):
+            The critic's learning rate is ``learning_rate`` times this, through the schedule's
+            warm-up and decay: the critic's parameters (the value model's, or the value head's and
+            the value adapter's) get optimizer groups of their own. Critic-PPO recipes train the
+            critic faster than the policy (VAPO and NeMo-RL 2x, SAO 5x). ``1.0``: one learning
+            rate, the optimizer as without this field. Applies to the optimizer the trainer builds
+            (not to one passed as ``optimizers=``); refused under DeepSpeed and FSDP (not checked
+            there).
     """
 
     entropy_coef: float = field(
@@ -443,6 +451,11 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         metadata={"help": "Length-adaptive lambda per turn: L is the length of each token's turn (a run of "
             "policy tokens), not the episode's (SAO, with lam_length_alpha=1.5). Needs lam_length_alpha."},
     )
+    critic_lr_multiplier: float = field(
+        default=1.0,
+        metadata={"help": "The critic's learning rate is learning_rate times this (its parameters in optimizer "
+            "groups of their own; VAPO and NeMo-RL use 2, SAO 5). 1.0: one learning rate."},
+    )
 
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
@@ -643,6 +656,9 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             raise ValueError(f"PPOConfig.lam_length_min must be in [0, 1] or None (0, VAPO's clamp), got {floor}.")
         if not isinstance(self.lam_length_per_turn, bool):
             raise ValueError(f"PPOConfig.lam_length_per_turn must be True or False, got {self.lam_length_per_turn!r}.")
+        if not 0.0 < self.critic_lr_multiplier < math.inf:  # nan fails too
+            raise ValueError(
+                f"PPOConfig.critic_lr_multiplier must be a finite number > 0, got {self.critic_lr_multiplier}.")
         for name, value, default in (("lam_length_min", floor, None), ("lam_length_per_turn",
                                                                        self.lam_length_per_turn, False)):
             if value != default and self.lam_length_alpha is None:

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from .models.actor_critic import VALUE_ADAPTER_NAME
@@ -61,6 +62,33 @@ def is_critic_parameter(model: nn.Module, name: str) -> bool:
     return name.startswith("value_model.")
 
 
+def split_critic_groups(optimizer: torch.optim.Optimizer, model: nn.Module, multiplier: float) -> None:
+    """Give the critic's parameters (:func:`is_critic_parameter`) of every param group of a new
+    ``optimizer`` (no state yet) a group of their own: a copy of the group's settings with
+    ``lr * multiplier``. Called before the learning-rate scheduler is built, so the scheduler's
+    per-group base rates keep the ratio through warm-up and decay. The policy's parameters keep
+    their group's settings; a group with no critic parameter is left as it was, and the order of
+    the parameters inside each part is kept.
+
+    Example:
+
+    >>> from types import SimpleNamespace
+    >>> model = nn.ModuleDict({"policy": nn.Linear(2, 2), "value_model": nn.Linear(2, 1)})
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> split_critic_groups(optimizer, model, 5.0)
+    >>> [(len(g["params"]), g["lr"]) for g in optimizer.param_groups]
+    [(2, 0.1), (2, 0.5)]
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups, optimizer.param_groups = optimizer.param_groups, []
+    for group in groups:
+        critic = [p for p in group["params"] if is_critic_parameter(model, names[id(p)])]
+        policy = [p for p in group["params"] if not is_critic_parameter(model, names[id(p)])]
+        for params, scale in ((policy, 1.0), (critic, multiplier)):
+            if params:
+                optimizer.add_param_group({**group, "params": params, "lr": group["lr"] * scale})
+
+
 def drop_policy_gradients(model: nn.Module) -> int:
     """Set ``.grad = None`` on every policy parameter of ``model`` (see the module docstring);
     the number of tensors whose gradient was dropped."""
@@ -74,8 +102,14 @@ def drop_policy_gradients(model: nn.Module) -> int:
 
 def check_supported(args, deepspeed: bool) -> None:
     """Refuse a critic warm-up under DeepSpeed: its engine steps inside ``backward``, before the
-    policy's gradients could be dropped (:func:`drop_policy_gradients`). Raises ``ValueError``
+    policy's gradients could be dropped (:func:`drop_policy_gradients`); and a critic learning-rate
+    multiplier under DeepSpeed or FSDP, where its groups are not checked. Raises ``ValueError``
     naming the field."""
+    if getattr(args, "critic_lr_multiplier", 1.0) != 1.0 and (deepspeed or getattr(args, "fsdp", None)):
+        raise ValueError(
+            f"PPOConfig.critic_lr_multiplier={args.critic_lr_multiplier} is not supported under DeepSpeed or FSDP "
+            "(the critic's optimizer groups are not checked there). Set critic_lr_multiplier=1.0."
+        )
     if args.critic_warmup_steps > 0 and deepspeed:
         raise ValueError(
             f"PPOConfig.critic_warmup_steps={args.critic_warmup_steps} is not supported under DeepSpeed "

@@ -62,7 +62,8 @@ GROUP_ESTIMATORS = tuple(name for name, e in ESTIMATOR_TABLE.items() if e.needs_
 # The config fields only the critic's GAE path reads (advantages.compute_targets, the value loss): set with a
 # critic-free estimator, they are named in a warning (PPOConfig).
 CRITIC_ONLY_FIELDS = ("lam", "value_lam", "lam_length_alpha", "whiten_rewards", "whiten_advantages", "vf_coef",
-                      "cliprange_value", "lam_length_min", "lam_length_per_turn", "critic_gate_explained_variance")
+                      "cliprange_value", "lam_length_min", "lam_length_per_turn", "critic_gate_explained_variance",
+                      "critic_lr_multiplier")
 
 # TRL GRPOConfig.scale_rewards' values (True means "group" and False "none" there, and here).
 SCALE_REWARDS = ("group", "batch", "none")

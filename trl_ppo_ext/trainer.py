@@ -253,6 +253,14 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self._setup_run_control(eval_metrics)
         self.sampler = self._build_sampler()
 
+    def create_optimizer(self, *args, **kwargs):
+        """transformers' optimizer; with ``critic_lr_multiplier`` the critic's parameters in groups of their own."""
+        built_here = self.optimizer is None  # an optimizer passed as `optimizers=` is left as it is
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if built_here and self.args.trains_critic and self.args.critic_lr_multiplier != 1.0:
+            critic_warmup.split_critic_groups(optimizer, self.unwrapped, self.args.critic_lr_multiplier)
+        return optimizer
+
     def _build_sampler(self) -> RolloutSampler:
         """The rollout sampler (``sampling.RolloutSampler``), after the process group and the dataloaders
         exist; with ``use_vllm`` its engine is built now (leaving the run's RNG as it was). A
