@@ -8,7 +8,7 @@ merged weights).
 Same random Llama-shaped fp32 policy as benchmarks/throughput.py (100m: hidden 768, 12 layers,
 12 heads, MLP 2048, 8000-token vocabulary, 97.2M parameters), same prompts (random words, 8-16
 tokens) and sampling (temperature 1, stop at EOS) for both arms. The transformers arm is the
-trainer's own path (``rollout.generate_responses`` with ``rollout.sampling_config``, the whole
+trainer's own path (``generation.transformers_generate.generate_responses`` with its ``sampling_config``, the whole
 batch in one chunk); the vLLM arm is ``VLLMColocateEngine.generate``. Each arm runs once as a
 warm-up (vLLM's first call compiles), then ``--repeats`` times, alternating (the machine is
 shared and its load drifts); the table shows medians, and the last line is
@@ -55,7 +55,8 @@ def random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 
 def transformers_arm(policy, tokenizer, prompts, response_length: int):
     """A callable sampling the batch the trainer's way; returns the number of valid tokens."""
-    from trl_ppo_ext.rollout import finalize_responses, generate_responses, left_pad, sampling_config
+    from trl_ppo_ext.generation.transformers_generate import generate_responses, sampling_config
+    from trl_ppo_ext.rollout import finalize_responses, left_pad
 
     P = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])

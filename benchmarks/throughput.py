@@ -334,8 +334,8 @@ def timed_upstream(trainer, clock: Clock):
 def timed_update_parts(trainer, clock: Clock):
     """Time backward, gradient clipping (norm included) and the optimizer step of either trainer,
     by shadowing the bound methods on its own ``accelerator`` and ``optimizer`` instances and
-    (ours) the trainer module's ``gradients.clip_gradients``."""
-    import trl_ppo_ext.trainer as ours_module
+    (ours) ``gradients.clip_gradients`` where ``trl_ppo_ext.update`` calls it."""
+    import trl_ppo_ext.update as ours_module
     from trl_ppo_ext import PPOTrainer
 
     # ours clips (and takes the norm) in gradients.clip_gradients, without accelerate's clip_grad_norm_
