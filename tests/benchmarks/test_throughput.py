@@ -3,6 +3,7 @@ shadows it (the update's gradient clipping moved once and the benchmark broke wi
 it prints a ratio per contender. Figures are printed, never asserted."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,5 +24,5 @@ def test_the_tiny_run_times_every_phase_of_each_contender():
     assert proc.returncode == 0, proc.stderr[-3000:]
     phases = [line for line in proc.stdout.splitlines() if "grad clip" in line and "optimizer step" in line]
     assert len(phases) == len(contenders)  # backward, clipping and the step timed for each
-    for name in contenders[1:]:
-        assert f"throughput ratio {name}/separate:" in proc.stdout
+    for name in contenders[1:]:  # against ours with separate models, or TRL's PPO trainer where it has one
+        assert re.search(rf"throughput ratio {name}/(separate|upstream): \d", proc.stdout), name
