@@ -33,38 +33,18 @@ Example (no server needed: what each form is called on the server):
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import threading
-import urllib.error
-import urllib.request
 
 from torch import nn
 
 from ..choices import SERVER_WEIGHT_SYNC_CHOICES, SERVER_WEIGHT_SYNCS
-from .vllm_server import ServerError, VLLMServerEngine, _http_json, _with_retries
+from .vllm_server import VLLMServerEngine, _http_json, _http_text, _with_retries
 from .weights import _is_peft, adapter_sync_refusal, policy_weights, save_policy_adapter
 
 # what a config may ask for: "auto" chooses (``choose_server_weight_sync``), "nccl" is ``VLLMServerEngine``'s push
-
-
-def _http_text(url: str, payload: dict, timeout: float) -> str:
-    """POST JSON to ``url``; the answer's text (vLLM answers some of these calls in plain text, some
-    with an empty body). Errors as ``vllm_server._http_json``'s: ``ServerError`` on an HTTP error
-    status, ``ConnectionError`` naming the URL when there is no answer within ``timeout`` s."""
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read().decode(errors="replace")
-    except urllib.error.HTTPError as err:
-        body = err.read().decode(errors="replace")[:500]
-        raise ServerError(f"The vLLM server at {url} answered HTTP {err.code}: {body}") from err
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        raise ConnectionError(f"No answer from the vLLM server at {url} within {timeout} s: {reason}") from err
 
 
 def adapter_name(version: int) -> str:

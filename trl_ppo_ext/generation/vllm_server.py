@@ -41,8 +41,9 @@ class ServerError(RuntimeError):
     """The vLLM server answered with an error status."""
 
 
-def _http_json(url: str, payload: dict | None, timeout: float) -> dict:
-    """GET (``payload`` None) or POST JSON to ``url``; the decoded JSON answer.
+def _http_text(url: str, payload: dict | None, timeout: float) -> str:
+    """GET (``payload`` None) or POST JSON to ``url``; the answer's text (vLLM answers some calls in
+    plain text, some with an empty body).
 
     Raises ``ServerError`` on an HTTP error status, ``ConnectionError`` when the server cannot be
     reached or does not answer within ``timeout`` seconds; both name the URL."""
@@ -50,13 +51,18 @@ def _http_json(url: str, payload: dict | None, timeout: float) -> dict:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read().decode())
+            return response.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
         body = err.read().decode(errors="replace")[:500]
         raise ServerError(f"The vLLM server at {url} answered HTTP {err.code}: {body}") from err
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
         reason = getattr(err, "reason", err)
         raise ConnectionError(f"No answer from the vLLM server at {url} within {timeout} s: {reason}") from err
+
+
+def _http_json(url: str, payload: dict | None, timeout: float) -> dict:
+    """:func:`_http_text`, its answer decoded as JSON."""
+    return json.loads(_http_text(url, payload, timeout))
 
 
 def wait_for_server(base_url: str, timeout: float, interval: float = 1.0) -> None:
