@@ -6,13 +6,10 @@ need no server. The server process is ours and is stopped at the end of the modu
 vLLM is installed (the choice and refusal tests everywhere)."""
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
+import tiny_setup
 import torch
 
 from trl_ppo_ext.generation.arguments import vllm_installed
@@ -50,11 +47,6 @@ def _randomize_lora_b(model, seed, scale=0.5):
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _max_logprob_gap(policy, samples) -> float:
     """Largest |log pi_server - log pi_transformers| over the sampled tokens."""
@@ -73,25 +65,10 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_server_weights")
     policy = _tiny_policy()
     folder = write_checkpoint(policy, str(root / "policy"))
-    port = _free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
-               "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
-               "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = open(root / "server.log", "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    port = tiny_setup.free_port()
+    with tiny_setup.server_process(tiny_setup.lora_server_command(folder, port), root / "server.log",
+                                   VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1") as process:
         yield f"http://127.0.0.1:{port}", policy, process, root
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the server and the engine process it started
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
 
 
 def _engine(served, **kwargs):

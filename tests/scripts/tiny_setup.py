@@ -5,6 +5,7 @@ pytest, import them directly (``python tests/scripts/X.py`` puts this folder fir
 ``sys.path``). Not a test module: pytest collects nothing from it.
 """
 
+import contextlib
 from pathlib import Path
 
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_scorer, random_word_prompts
@@ -251,3 +252,48 @@ def __getattr__(name):  # VllmTrainer imports the trainer only when asked for
     if name == "VllmTrainer":
         return _vllm_trainer()
     raise AttributeError(name)
+
+
+# ---------------------------------------------------------------- a vLLM server in a subprocess
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def lora_server_command(folder: str, port: int) -> list:
+    """vLLM's API server for the fp32 checkpoint ``folder`` on 127.0.0.1:``port``, loading LoRA
+    adapters (rank <= 8, 3 at a time) and sampling with vLLM's own generation defaults."""
+    import sys
+
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
+            "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
+            "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
+
+
+@contextlib.contextmanager
+def server_process(command: list, log_path, **env):
+    """Runs ``command`` (a vLLM server) in a session of its own, one CPU thread, output to
+    ``log_path``, ``env`` added to the environment; yields the process. On exit the server and the
+    engine process it started get SIGTERM, then SIGKILL after 30 s."""
+    import os
+    import signal
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+           **env}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield process
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
