@@ -45,6 +45,34 @@ def timed_train(trainer, memory: Path | None = None) -> float:
     return train_s
 
 
+def train_writing_rows(build, rows_of, out: Path, *, updates, output_dir: str, memory: Path | None = None) -> int:
+    """Train the trainer ``build(callbacks)`` makes (:func:`timed_train`), writing ``OUT.partial``: a
+    JSON line for each row ``rows_of(state, logs)`` gives at each log, with ``time_s`` (the wall
+    seconds of training when it was logged), then ``{"done": True, "train_s", "updates"}``, with
+    ``updates()`` read after training (a trainer may fill the count in its config). The trainer's
+    ``output_dir`` is removed after. Returns the updates."""
+    from transformers import TrainerCallback
+
+    partial = out.with_suffix(".partial")
+    with partial.open("w") as handle:
+
+        class Rows(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.start = time.perf_counter()
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                for row in rows_of(state, logs or {}):
+                    handle.write(json.dumps({**row, "time_s": time.perf_counter() - self.start}) + "\n")
+                    handle.flush()
+
+        train_s = timed_train(build([Rows()]), memory)
+    done = updates()
+    with partial.open("a") as f:
+        f.write(json.dumps({"done": True, "train_s": train_s, "updates": done}) + "\n")
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return done
+
+
 def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> None:
     """Build the models every arm of ``task_name`` starts from for ``seed``, saved to ``model_dir``
     (the task module's ``prepare``: the reward model, an SFT warm-up or the initial policy). Written
@@ -70,7 +98,7 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
     _quiet()
     _examples_on_path()
     import torch
-    from transformers import TrainerCallback, set_seed
+    from transformers import set_seed
 
     torch.set_num_threads(1)
     set_seed(seed)
@@ -117,28 +145,16 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         return config_cls(**{**settings, **common, **fields, **arm.overrides})
 
     run = task_module(task_name).ours(arm, seed, make_config=make_config, model_dir=model_dir, hidden_size=hidden_size)
-    partial = out.with_suffix(".partial")
-    handle = partial.open("w")
 
-    class Rows(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+    def rows_of(state, logs):
+        if "episode" not in logs:
+            return []
+        reward, scored = run.batch_reward(logs)
+        # time_s follows: wall seconds of training when the update ended
+        return [{"update": state.global_step, "episode": logs["episode"], "reward": reward, "scored": scored,
+                 **{key: logs.get(metric) for key, metric in LOGGED.items()}, **run.extras}]
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "episode" not in logs:
-                return
-            reward, scored = run.batch_reward(logs)
-            row = {"update": state.global_step, "episode": logs["episode"], "reward": reward, "scored": scored,
-                   **{key: logs.get(metric) for key, metric in LOGGED.items()}, **run.extras,
-                   "time_s": time.perf_counter() - self.start}  # wall seconds of training when the update ended
-            handle.write(json.dumps(row) + "\n")
-            handle.flush()
-
-    trainer = trainer_cls(args=run.config, processing_class=run.tokenizer, callbacks=[Rows()], **run.models)
-    train_s = timed_train(trainer, memory)
-    handle.close()
-    updates = run.config.num_total_batches
-    with partial.open("a") as f:
-        f.write(json.dumps({"done": True, "train_s": train_s, "updates": updates}) + "\n")
-    shutil.rmtree(run.config.output_dir, ignore_errors=True)
-    return updates
+    return train_writing_rows(
+        lambda callbacks: trainer_cls(args=run.config, processing_class=run.tokenizer, callbacks=callbacks,
+                                      **run.models),
+        rows_of, out, updates=lambda: run.config.num_total_batches, output_dir=run.config.output_dir, memory=memory)

@@ -39,11 +39,8 @@ reward function is given) and from TRL's per-step logs averaged over the rollout
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import shutil
 import statistics
-import time
 from pathlib import Path
 
 from .tasks import task_module, task_settings
@@ -239,10 +236,9 @@ def run_grpo(task_name: str, arm, seed: int, *, model_dir: Path, episodes: int, 
     """The ``trl_grpo`` arm of ``run_one``: TRL's ``GRPOTrainer`` on ``task_name``'s policy, LoRA,
     prompts and reward (the task module's ``grpo()``), sized by :func:`grpo_settings` from the task's
     PPO settings. Returns the updates."""
-    from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from .run import timed_train
+    from .run import train_writing_rows
 
     module = task_module(task_name)
     if not hasattr(module, "grpo"):
@@ -255,29 +251,13 @@ def run_grpo(task_name: str, arm, seed: int, *, model_dir: Path, episodes: int, 
     inputs = module.grpo(seed, ppo, model_dir=model_dir, hidden_size=hidden_size, recorder=recorder)
     lora = grpo_lora(inputs.lora)
 
-    partial = out.with_suffix(".partial")
-    handle = partial.open("w")
-
-    class Rows(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            for row in recorder.log(state.global_step, logs or {}):
-                # wall seconds of training when the rollout's last optimizer step was logged
-                handle.write(json.dumps({**row, "time_s": time.perf_counter() - self.start}) + "\n")
-                handle.flush()
-
-    trainer = GRPOTrainer(model=inputs.policy, reward_funcs=inputs.funcs, args=config, train_dataset=inputs.dataset,
-                          processing_class=inputs.tokenizer, peft_config=lora, callbacks=[Rows()],
-                          **inputs.environments)
-    train_s = timed_train(trainer, memory)
-    handle.close()
-    updates = config.max_steps // steps_per_rollout
-    with partial.open("a") as f:
-        f.write(json.dumps({"done": True, "train_s": train_s, "updates": updates}) + "\n")
-    shutil.rmtree(config.output_dir, ignore_errors=True)
-    return updates
+    return train_writing_rows(
+        lambda callbacks: GRPOTrainer(model=inputs.policy, reward_funcs=inputs.funcs, args=config,
+                                      train_dataset=inputs.dataset, processing_class=inputs.tokenizer,
+                                      peft_config=lora, callbacks=callbacks, **inputs.environments),
+        # wall seconds of training when the rollout's last optimizer step was logged
+        lambda state, logs: recorder.log(state.global_step, logs),
+        out, updates=lambda: config.max_steps // steps_per_rollout, output_dir=config.output_dir, memory=memory)
 
 
 # The trl_grpo arm is measured against this TRL's GRPOTrainer (environment_factory, the tool parser and
