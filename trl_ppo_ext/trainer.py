@@ -61,7 +61,7 @@ from .data import (
     repeat_batches,
     repeat_prompts,
 )
-from .distributed import place_frozen_models, plan_accelerator, process_state
+from .distributed import place_frozen, place_frozen_models, plan_accelerator, process_state
 from .estimators import estimator_settings, estimator_targets
 from .generation.base import check_engine_context, effective_temperature
 from .generation.filters import SamplingFilters
@@ -87,9 +87,8 @@ from .models.prepare import disable_dropout, strip_fp32_output_wrapper, warn_low
 from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
 from .rewards.batch import RewardReader, score_batch_rewards, text_scores
-from .rewards.building import build_run_rewards
+from .rewards.building import build_run_rewards, place_run_rewards, scoring_model
 from .rewards.logs import RewardLogs
-from .rewards.process import ProcessRewardModel
 from .rewards.scoring import reward_function_kwargs, say_nonfinite_rewards
 from .rollout import (
     Rollout,
@@ -193,7 +192,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.rewards = build_run_rewards(
             reward_model, reward_funcs, policy_tokenizer=processing_class, reward_weights=args.reward_weights,
             environment_rewards=self.agent_rollout.reward_functions() if self.agent_rollout else (),
-            reward_processing_classes=reward_processing_classes, step_separator=args.step_separator)
+            reward_processing_classes=reward_processing_classes, step_separator=args.step_separator,
+            eval_metric_names=list(eval_metrics or ()))
         # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
         self.reward_logs = RewardLogs()
         self.stop_token_id = configured_stop_token_id(args, processing_class)
@@ -235,11 +235,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
         elif ref_model is not None:
             logger.info("ref_model is not used: nothing reads the reference (kl_coef=0, no adaptive_kl, no KL guard).")
-        self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
-            entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
-                            *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
-            if m is not None for entry in disable_dropout(m)
-        ]
+        # dropout off; the user's values of the trained (and reference) models' configs go back into saved ones
+        self._saved_dropout = [e for m in (wrapper, self.ref_model) if m is not None for e in disable_dropout(m)]
 
         self._setup_batch_sizes(args)
         self.model = wrapper
@@ -300,7 +297,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.kl_controller = kl_controller_from_config(self.args)
         self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
         self.guards = run_guards(self.args, self.counters)
-        self.eval_metrics = checked_eval_metrics(eval_metrics, [r.name for r in self.rewards])
+        self.eval_metrics = checked_eval_metrics(eval_metrics)  # their names and the rewards': build_run_rewards
         self._protected_checkpoints: set[str] = set()
         self._sigterm = SigtermWatcher("off")  # train() installs the configured one
         self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
@@ -366,13 +363,15 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.model_wrapped = self.model
 
     def _place_frozen_models(self) -> None:
-        """Reward and reference models placed (``distributed.place_frozen_models``); ``reward_model`` follows."""
-        self.ref_model, self.rewards = place_frozen_models(
-            self.unwrapped, self.ref_model, self.rewards, self.args, self.accelerator,
-            prepare_deepspeed=prepare_deepspeed if self.is_deepspeed_enabled else None)
+        """Reference and reward models placed (``distributed.place_frozen_models``, ``rewards.building.
+        place_run_rewards``, both by ``distributed.place_frozen``); ``reward_model`` follows."""
+        deepspeed = prepare_deepspeed if self.is_deepspeed_enabled else None
+        self.ref_model = place_frozen_models(self.unwrapped, self.ref_model, self.args, self.accelerator,
+                                             prepare_deepspeed=deepspeed)
+        place = functools.partial(place_frozen, accelerator=self.accelerator, prepare_deepspeed=deepspeed)
+        self.rewards = place_run_rewards(self.rewards, place, offload=self.args.offload_reward_model)
         if self.reward_model is not None:
-            first = self.rewards[0].source
-            self.reward_model = first.model if isinstance(first, ProcessRewardModel) else first
+            self.reward_model = scoring_model(self.rewards[0])
 
     # ------------------------------------------------------------------ contexts
     @property

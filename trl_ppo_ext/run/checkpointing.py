@@ -483,6 +483,7 @@ class CheckpointedRun(Protocol):
     _last_checkpoint: object  # (global step, path) of the latest save, or None
     _inflight: object  # a preempted update's progress to save, or None
     _resume_path: object  # the checkpoint being resumed, or None
+    _saved_dropout: list  # (config, name, value) of the trained models' configs, written back on save
 
     def create_model_card(self, *args, **kwargs): ...
 
@@ -735,7 +736,7 @@ class CheckpointMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the policy (or adapter) for inference; a shared actor-critic also saves its value
         head. The saved config keeps the dropout values it came with (training runs with 0)."""
-        with config_values(getattr(self, "_dropout_in_configs", ())):
+        with config_values(self._saved_dropout):
             self._save_policy(output_dir or self.args.output_dir, _internal_call)
 
     def _save_policy(self, output_dir: str, _internal_call: bool) -> None:
