@@ -594,7 +594,7 @@ class CheckpointMixin:
             ppo_state = load_json(os.path.join(path, PPO_STATE))
             trainable = load_checkpoint_file(path, TRAINABLE_STATE)
             optimizer_state = None
-            if ppo_state.get("optimizer_format", "torch") == "torch":
+            if ppo_state["optimizer_format"] == "torch":
                 optimizer_state = load_checkpoint_file(path, OPTIMIZER)
             scheduler_state = load_checkpoint_file(path, SCHEDULER)
         except UnsafeCheckpointError:
@@ -645,10 +645,10 @@ class CheckpointMixin:
         Raises ``ValueError`` where it cannot resume at all: DeepSpeed's optimizer shards read by
         a run without DeepSpeed (or the reverse), by another ZeRO stage or another process count.
         """
-        saved_world, world = ppo_state.get("world_size"), self.accelerator.num_processes
-        saved_format = ppo_state.get("optimizer_format", "torch")
+        saved_world, world = ppo_state["world_size"], self.accelerator.num_processes
+        saved_format = ppo_state["optimizer_format"]
         here = DEEPSPEED_STATE if self.is_deepspeed_enabled else "torch"
-        saved_setup = _setup_name(saved_format, ppo_state.get("zero_stage"))
+        saved_setup = _setup_name(saved_format, ppo_state["zero_stage"])
         setup = _setup_name(here, zero_stage(self.accelerator))
         if saved_setup != setup:
             raise ValueError(
@@ -674,8 +674,7 @@ class CheckpointMixin:
         """Batches consumed in the saved epoch, for another process count: up to the first batch
         that starts at or after the prompts the checkpoint had consumed (a few may be skipped,
         none repeated)."""
-        saved_batch = ppo_state.get("batch_size") or self.plan.local_batch_size * ppo_state["world_size"]
-        consumed = ppo_state["data_cursor"]["batches"] * saved_batch
+        consumed = ppo_state["data_cursor"]["batches"] * ppo_state["batch_size"]
         return math.ceil(consumed / self.plan.batch_size)
 
     def _load_deepspeed_state(self, path: str) -> None:

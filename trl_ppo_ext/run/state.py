@@ -33,8 +33,7 @@ class RunCounters:
     critic_warmup_over: bool = False  # the warm-up ended (its update count, or its explained variance reached)
 
     def state_dict(self) -> dict:
-        """``{"data_cursor": {epoch, batches}, "counters": {...}}``, the keys ``ppo_state.json``
-        has always used (checkpoints written before this class resume unchanged)."""
+        """``{"data_cursor": {epoch, batches}, "counters": {...}}``, the keys of ``ppo_state.json``."""
         return {
             "data_cursor": {"epoch": self.epoch, "batches": self.batches},
             "counters": {"stale_discarded": self.stale_discarded, "nonfinite_steps": self.nonfinite_steps,
@@ -43,15 +42,14 @@ class RunCounters:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`state_dict`'s form; ``rollout_age`` and the critic warm-up counters
-        default to 0 / False (older files)."""
+        """Restore from :meth:`state_dict`'s form (every released version wrote each key)."""
         cursor, counters = state["data_cursor"], state["counters"]
         self.epoch, self.batches = int(cursor["epoch"]), int(cursor["batches"])
         self.stale_discarded = int(counters["stale_discarded"])
         self.nonfinite_steps = int(counters["nonfinite_steps"])
-        self.rollout_age = int(counters.get("rollout_age", 0))
-        self.critic_warmup_updates = int(counters.get("critic_warmup_updates", 0))
-        self.critic_warmup_over = bool(counters.get("critic_warmup_over", False))
+        self.rollout_age = int(counters["rollout_age"])
+        self.critic_warmup_updates = int(counters["critic_warmup_updates"])
+        self.critic_warmup_over = bool(counters["critic_warmup_over"])
 
 
 
