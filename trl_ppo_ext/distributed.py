@@ -228,9 +228,15 @@ def prepare_frozen_model(model: nn.Module, accelerator, prepare_deepspeed) -> nn
 
 
 def place_frozen(model: nn.Module, name: str, offloaded: bool, accelerator, *, prepare_deepspeed=None) -> nn.Module:
-    """A frozen model in eval mode: a DeepSpeed inference engine under DeepSpeed (``prepare_deepspeed``
-    given, TRL's, see :func:`prepare_frozen_model`), else on the training device, or on the CPU when
-    ``offloaded`` on CUDA (moved in for each scoring pass). ``name`` names it in the log line."""
+    """A frozen model in eval mode, a 4-bit one kept off bitsandbytes' CPU repack first
+    (``models.quantization.make_4bit_cpu_safe``): a DeepSpeed inference engine under DeepSpeed
+    (``prepare_deepspeed`` given, TRL's, see :func:`prepare_frozen_model`), else on the training
+    device, or on the CPU when ``offloaded`` on CUDA (moved in for each scoring pass). ``name`` names
+    it in the log line."""
+    from .models.quantization import is_4bit_model, make_4bit_cpu_safe
+
+    if is_4bit_model(model):
+        make_4bit_cpu_safe(model)
     model.eval().requires_grad_(False)
     if prepare_deepspeed is not None:
         return prepare_frozen_model(model, accelerator, prepare_deepspeed)
@@ -240,19 +246,14 @@ def place_frozen(model: nn.Module, name: str, offloaded: bool, accelerator, *, p
     return model.to("cpu" if offloaded and cuda else accelerator.device)
 
 
-def place_frozen_models(policy: nn.Module, ref_model, rewards: list, args, accelerator, *, prepare_deepspeed=None):
-    """The reference and every reward model of a run placed by :func:`place_frozen` (``args``'
-    ``offload_ref_model`` / ``offload_reward_model``; a process reward model's model always on the
-    training device; ``prepare_deepspeed`` given under DeepSpeed), 4-bit models made safe for the CPU
-    first. Returns ``(ref_model, rewards)``,
-    ``rewards`` a new list of ``rewards.RunReward`` (their sources placed); the inputs are left as
-    they were, but the models themselves are moved."""
-    from dataclasses import replace
-
+def place_frozen_models(policy: nn.Module, ref_model, args, accelerator, *, prepare_deepspeed=None):
+    """The policy's 4-bit layers kept off the CPU repack (bitsandbytes' breaks LoRA gradients) and the
+    reference placed by :func:`place_frozen` (``args.offload_ref_model``; ``prepare_deepspeed`` given
+    under DeepSpeed, where the offload flags are refused with a warning). Returns the placed
+    reference (or None); the reward models are placed by ``rewards.building.place_run_rewards`` with
+    :func:`place_frozen` too."""
     from .models.quantization import is_4bit_model, make_4bit_cpu_safe
-    from .rewards.process import ProcessRewardModel
 
-    deepspeed = {"prepare_deepspeed": prepare_deepspeed}
     offloads = [name for name in ("offload_ref_model", "offload_reward_model") if getattr(args, name, False)]
     if prepare_deepspeed is not None and offloads:  # the flags would do nothing here, silently
         warnings.warn(
@@ -260,17 +261,12 @@ def place_frozen_models(policy: nn.Module, ref_model, rewards: list, args, accel
             "models become DeepSpeed engines, which DeepSpeed places (on the training device; under ZeRO-3 its "
             "own zero_optimization.offload_param applies). Unset the flag, or offload through the DeepSpeed "
             "config.", UserWarning, stacklevel=4)
-    for m in (policy, ref_model, *(r.source for r in rewards if r.is_model)):
-        if m is not None and is_4bit_model(m):
-            make_4bit_cpu_safe(m)  # bitsandbytes' CPU repack breaks LoRA gradients
-    if ref_model is not None:
-        ref_model = place_frozen(ref_model, "ref_model", args.offload_ref_model, accelerator, **deepspeed)
-    rewards = [replace(r, source=place_frozen(r.source, r.name, args.offload_reward_model, accelerator,
-                                              **deepspeed)) if r.is_model else r for r in rewards]
-    for r in rewards:  # a process reward model reads its model on the training device (no offload)
-        if isinstance(r.source, ProcessRewardModel):
-            r.source.model = place_frozen(r.source.model, r.name, False, accelerator, **deepspeed)
-    return ref_model, rewards
+    if is_4bit_model(policy):
+        make_4bit_cpu_safe(policy)
+    if ref_model is None:
+        return None
+    return place_frozen(ref_model, "ref_model", args.offload_ref_model, accelerator,
+                        prepare_deepspeed=prepare_deepspeed)
 
 
 # ---------------------------------------------------------------------- gradient accumulation

@@ -1215,8 +1215,10 @@ def add_token_rewards(
     Args:
         rewards: (B, T) shaped rewards. token_rewards: (B, T). response_mask: bool (B, T).
         action_mask: bool (B, T) inside ``response_mask``, or None: every response token is an
-            action. With one, a non-zero reward on an environment token is refused
-            (:func:`check_rewards_on_actions`), never dropped.
+            action. ``token_rewards`` must be 0 on the other response tokens: the rewards' scoring
+            refuses a non-zero one there once per batch, naming the reward
+            (``rewards.scoring.evaluate_rewards_per_token`` with :func:`check_rewards_on_actions`);
+            here it is not checked again.
 
     Returns:
         ``(rewards + added, added)``, ``added`` the token rewards with 0 off the action tokens.
@@ -1226,8 +1228,6 @@ def add_token_rewards(
         >>> add_token_rewards(torch.zeros(1, 3), torch.tensor([[0.5, 1.0, 2.0]]), mask)[0]
         tensor([[0.5000, 1.0000, 0.0000]])
     """
-    if action_mask is not None:
-        check_rewards_on_actions(token_rewards, response_mask, action_mask)
     added = token_rewards.masked_fill(~(response_mask if action_mask is None else action_mask), 0.0)
     return rewards + added, added
 

@@ -61,7 +61,7 @@ from .data import (
     repeat_batches,
     repeat_prompts,
 )
-from .distributed import place_frozen_models, plan_accelerator, process_state
+from .distributed import place_frozen, place_frozen_models, plan_accelerator, process_state
 from .estimators import estimator_settings, estimator_targets
 from .generation.base import check_engine_context, effective_temperature
 from .generation.filters import SamplingFilters
@@ -87,9 +87,8 @@ from .models.prepare import disable_dropout, strip_fp32_output_wrapper, warn_low
 from .models.values import has_values_alone, value_forward
 from .reporting import console_line, log_due, update_progress, with_backend_keys
 from .rewards.batch import RewardReader, score_batch_rewards, text_scores
-from .rewards.building import build_run_rewards
+from .rewards.building import build_run_rewards, place_run_rewards, scoring_model
 from .rewards.logs import RewardLogs
-from .rewards.process import ProcessRewardModel
 from .rewards.scoring import reward_function_kwargs, say_nonfinite_rewards
 from .rollout import (
     Rollout,
@@ -107,8 +106,8 @@ from .run import checkpointing as ckpt
 from .run.checkpointing import CheckpointMixin, clean_temp_dirs
 from .run.guards import GuardDecision, run_guards
 from .run.manifest import ManifestMixin
-from .run.preemption import PREEMPTED, InflightUpdate, SigtermWatcher, UpdatePreempted, stop_if_preempted
-from .run.state import OnlineTrainerState, RunCounters
+from .run.preemption import PREEMPTED, SigtermWatcher, UpdatePreempted, stop_if_preempted
+from .run.state import LoopState, OnlineTrainerState, RunCounters
 from .sampling import PolicySnapshot, PromptFeed, RolloutSampler, build_agent_rollout, vllm_policy_engine
 from .scoring_plan import plan_scoring
 from .update import FIRST_LOGPROBS, Stepper, mini_batch_step, plan_micro_batches, stack_stats
@@ -193,7 +192,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.rewards = build_run_rewards(
             reward_model, reward_funcs, policy_tokenizer=processing_class, reward_weights=args.reward_weights,
             environment_rewards=self.agent_rollout.reward_functions() if self.agent_rollout else (),
-            reward_processing_classes=reward_processing_classes, step_separator=args.step_separator)
+            reward_processing_classes=reward_processing_classes, step_separator=args.step_separator,
+            eval_metric_names=list(eval_metrics or ()))
         # what reward functions report through GRPO's log_metric / log_extra, until taken (reward_logs)
         self.reward_logs = RewardLogs()
         self.stop_token_id = configured_stop_token_id(args, processing_class)
@@ -235,11 +235,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self.ref_model = assembly.build_reference(self.policy_model, ref_model, self.is_peft_model)
         elif ref_model is not None:
             logger.info("ref_model is not used: nothing reads the reference (kl_coef=0, no adaptive_kl, no KL guard).")
-        self._dropout_in_configs = [  # the user's config values, written back into saved checkpoints
-            entry for m in (wrapper, self.ref_model, *(r.source for r in self.rewards if r.is_model),
-                            *(r.source.model for r in self.rewards if isinstance(r.source, ProcessRewardModel)))
-            if m is not None for entry in disable_dropout(m)
-        ]
+        # dropout off; the user's values of the trained (and reference) models' configs go back into saved ones
+        self._saved_dropout = [e for m in (wrapper, self.ref_model) if m is not None for e in disable_dropout(m)]
 
         self._setup_batch_sizes(args)
         self.model = wrapper
@@ -296,20 +293,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             self.sampler.close_engine()
 
     def _setup_run_control(self, eval_metrics) -> None:
-        """KL controller, guard rails and the counters a checkpoint carries."""
+        """KL controller, guard rails, the counters a checkpoint carries and the loop's state."""
         self.kl_controller = kl_controller_from_config(self.args)
         self.counters = RunCounters()  # with the totals of skipped steps and stale rollouts the guards count
         self.guards = run_guards(self.args, self.counters)
-        self.eval_metrics = checked_eval_metrics(eval_metrics, [r.name for r in self.rewards])
-        self._protected_checkpoints: set[str] = set()
-        self._sigterm = SigtermWatcher("off")  # train() installs the configured one
-        self._last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
-        self._inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
-        self._resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
-        self._applied_steps = 0  # optimizer steps taken (not skipped) by this trainer object
-        # the global step the policy's weights are from: advanced by a step that moved the policy (not
-        # a critic warm-up step), set by a resume; a generation engine gets weights when it changes
-        self._policy_version = 0
+        self.eval_metrics = checked_eval_metrics(eval_metrics)  # their names and the rewards': build_run_rewards
+        self.loop_state = LoopState()  # what the loop and the checkpoint code keep between updates
 
     # ------------------------------------------------------------------ set-up
     def _setup_batch_sizes(self, args) -> None:
@@ -366,13 +355,15 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.model_wrapped = self.model
 
     def _place_frozen_models(self) -> None:
-        """Reward and reference models placed (``distributed.place_frozen_models``); ``reward_model`` follows."""
-        self.ref_model, self.rewards = place_frozen_models(
-            self.unwrapped, self.ref_model, self.rewards, self.args, self.accelerator,
-            prepare_deepspeed=prepare_deepspeed if self.is_deepspeed_enabled else None)
+        """Reference and reward models placed (``distributed.place_frozen_models``, ``rewards.building.
+        place_run_rewards``, both by ``distributed.place_frozen``); ``reward_model`` follows."""
+        deepspeed = prepare_deepspeed if self.is_deepspeed_enabled else None
+        self.ref_model = place_frozen_models(self.unwrapped, self.ref_model, self.args, self.accelerator,
+                                             prepare_deepspeed=deepspeed)
+        place = functools.partial(place_frozen, accelerator=self.accelerator, prepare_deepspeed=deepspeed)
+        self.rewards = place_run_rewards(self.rewards, place, offload=self.args.offload_reward_model)
         if self.reward_model is not None:
-            first = self.rewards[0].source
-            self.reward_model = first.model if isinstance(first, ProcessRewardModel) else first
+            self.reward_model = scoring_model(self.rewards[0])
 
     # ------------------------------------------------------------------ contexts
     @property
@@ -409,10 +400,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         """
         self._begin_training(resume_from_checkpoint)
         status, reason = "completed", None
-        self._sigterm = SigtermWatcher(self.args.on_sigterm)
+        loop = self.loop_state
+        loop.sigterm = SigtermWatcher(self.args.on_sigterm)
         try:
-            with self._sigterm:
-                status, reason = self._train_loop()
+            with loop.sigterm:
+                status, reason = self._train_loop(loop)
         except KeyboardInterrupt:
             status, reason = "interrupted", "KeyboardInterrupt"
             raise
@@ -436,27 +428,28 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         call's updates of each update's mean micro-batch loss, ``metrics`` transformers'
         ``train_runtime``, ``train_samples_per_second`` (episodes), ``train_steps_per_second``
         (updates) and ``train_loss``."""
-        updates = self.state.global_step - self._start_step
-        training_loss = self._loss_total / max(updates, 1)
-        metrics = speed_metrics("train", self._start_time, num_samples=self.state.episode - self._start_episode,
+        loop = self.loop_state
+        updates = self.state.global_step - loop.start_step
+        training_loss = loop.loss_total / max(updates, 1)
+        metrics = speed_metrics("train", loop.start_time, num_samples=self.state.episode - loop.start_episode,
                                 num_steps=updates)
         metrics["train_loss"] = training_loss
         return TrainOutput(self.state.global_step, training_loss, metrics)
 
-    def _train_loop(self) -> tuple[str, str | None]:
+    def _train_loop(self, loop: LoopState) -> tuple[str, str | None]:
         """Updates until ``state.max_steps`` (``num_total_batches``; fewer or more after resuming on
-        another number of processes), a guard's halt or SIGTERM; ``(status, reason)``."""
+        another number of processes), a guard's halt or SIGTERM (``loop.sigterm``); ``(status, reason)``."""
         while self.state.global_step < self.state.max_steps:
             try:
                 decision = self.run_update(self.state.global_step + 1)
             except UpdatePreempted as stop:  # between two optimizer steps: the update's remainder is saved
-                self._inflight = stop.inflight
+                loop.inflight = stop.inflight
                 self._checkpoint_preempted(inflight=True)
                 return PREEMPTED, PREEMPTED
             if decision.halt:
                 self._halt(decision)
                 return "halted", decision.message
-            if self.state.global_step < self.state.max_steps and self._sigterm.stop_agreed(self.accelerator):
+            if self.state.global_step < self.state.max_steps and loop.sigterm.stop_agreed(self.accelerator):
                 self._checkpoint_preempted(inflight=False)
                 return PREEMPTED, PREEMPTED
         return "completed", None
@@ -464,19 +457,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def run_update(self, update: int) -> GuardDecision:
         """One PPO update; returns the guards' decision (``halt`` ends the run)."""
         self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-        if self._resume_inflight is None:
+        loop = self.loop_state
+        if loop.resume_inflight is None:
             rollout = self.collect_rollout(update)
             if isinstance(rollout, GuardDecision):
                 return rollout
             advantages = self.compute_advantages(rollout)
         else:  # the update a preempted run stopped in: its rollout, continued where it stopped
             rollout, advantages = self._resumed_rollout()
-        applied, skipped = self._applied_steps, self.counters.nonfinite_steps
+        applied, skipped = loop.applied_steps, self.counters.nonfinite_steps
         warming = critic_warmup.warming(self.args, self.counters)  # ppo_update reads the same
         update_stats, decision = self.ppo_update(rollout, advantages, update)
         if update_stats.get("loss") is not None and update_stats["loss"].numel():  # train()'s training_loss
-            self._loss_total += float(update_stats["loss"].mean())
-        all_skipped = self._applied_steps == applied and self.counters.nonfinite_steps > skipped
+            loop.loss_total += float(update_stats["loss"].mean())
+        all_skipped = loop.applied_steps == applied and self.counters.nonfinite_steps > skipped
         metrics = self.update_metrics(rollout, advantages, update_stats)
         if self.args.critic_warmup_steps > 0:
             metrics["train/critic_warmup"] = float(warming)
@@ -530,15 +524,16 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             clean_temp_dirs(args.output_dir)
         if path is not None:
             self._load_checkpoint(path)
-        self._policy_version = self.state.global_step  # the weights now in the policy
-        self._batches = self._repeat_dataloader()
+        loop = self.loop_state
+        loop.policy_version = self.state.global_step  # the weights now in the policy
+        loop.batches = self._repeat_dataloader()
         self._write_manifest()
         # The pre-PPO starting point stays as last-known-good: never rotated away (resumed runs too).
-        self._protected_checkpoints.add(f"{ckpt.CHECKPOINT_PREFIX}0")
+        loop.protected_checkpoints.add(f"{ckpt.CHECKPOINT_PREFIX}0")
         if path is None and self._saves_checkpoints():
             self._save_checkpoint(self.model)
-        self._start_time = self._last_update_time = time.time()
-        self._start_episode, self._start_step, self._loss_total = self.state.episode, self.state.global_step, 0.0
+        loop.start_time = loop.last_update_time = time.time()
+        loop.start_episode, loop.start_step, loop.loss_total = self.state.episode, self.state.global_step, 0.0
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._restore_rng()  # last: anything above may draw random numbers
 
@@ -554,7 +549,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if self.args.max_staleness > 0:  # rollouts carry their policy_version (RolloutSampler.next_sample)
             feed = PromptFeed(self._repeat_dataloader, self.counters, self.repeated_prompts)
             return self.score_rollout(self.sampler.next_sample(feed, self.sampling_policy()))
-        return self.score_rollout(self.generate_rollout(self.repeated_prompts(next(self._batches))))
+        return self.score_rollout(self.generate_rollout(self.repeated_prompts(next(self.loop_state.batches))))
 
     def repeated_prompts(self, batch):
         """A prompt batch with each row ``num_generations`` times on adjacent rows (``data.repeat_prompts``;
@@ -583,7 +578,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def sampling_policy(self) -> PolicySnapshot:
         """The policy the next batch samples with: the model, the update it is for, its weights' version."""
-        return PolicySnapshot(self.model, self.state.global_step, self._policy_version)
+        return PolicySnapshot(self.model, self.state.global_step, self.loop_state.policy_version)
 
     def generate_rollout(self, batch, temperature: float | None = None) -> SampledBatch:
         """Sample responses to a batch of prompts with the current policy at ``temperature`` (default:
@@ -612,7 +607,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def sample_with_engine(self, policy, queries, query_mask, temperature: float, max_tokens: int | None = None):
         """``(responses (B, T), engine_logprobs (B, T), sampled (B, T) bool)`` from the vLLM engine, the
         policy's weights pushed first when they changed (``sampling.RolloutSampler.sample_on_engine``)."""
-        return self.sampler.sample_on_engine(policy, queries, query_mask, temperature, self._policy_version,
+        return self.sampler.sample_on_engine(policy, queries, query_mask, temperature,
+                                             self.loop_state.policy_version,
                                              max_tokens)
 
     @torch.no_grad()
@@ -744,7 +740,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         Returns per-micro-batch statistics stacked as ``(n,)`` tensors, and the nonfinite
         guard's decision (``halt`` stops the update at once).
         """
-        start, self._resume_inflight = self._resume_inflight, None  # set when resuming a preempted update
+        loop = self.loop_state
+        start, loop.resume_inflight = loop.resume_inflight, None  # set when resuming a preempted update
         stats = defaultdict(list, start.stats if start else {})
         decision = GuardDecision.keep_going({})
         slices = self.plan.mini_batch_slices()
@@ -767,12 +764,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
                     return stack_stats(stats), decision
                 stop_if_preempted(saved, adv, (epoch, index), order, stats, num_ppo_epochs=self.plan.num_ppo_epochs,
                                   num_mini_batches=self.plan.num_mini_batches, rollout_age=self.counters.rollout_age,
-                                  stop_agreed=lambda: self._sigterm.stop_agreed(self.accelerator))
+                                  stop_agreed=lambda: loop.sigterm.stop_agreed(self.accelerator))
         return stack_stats(stats), decision
 
     def _resumed_rollout(self) -> tuple[Rollout, PPOTargets]:
         """The rollout and advantages of the update a preempted checkpoint stopped in."""
-        inflight = self._resume_inflight
+        inflight = self.loop_state.resume_inflight
         self.counters.rollout_age = inflight.rollout_age
         extras = dict(inflight.rollout.get("extras") or {})
         tool_stats = extras.pop(INFLIGHT_TOOL_STATS, None)
@@ -800,9 +797,9 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
             logger.warning("Update %d: skipped an optimizer step with a non-finite loss or gradient%s.", update,
                            f" ({cause})" if cause else "")
             return self.guards.nonfinite_step(update)
-        self._applied_steps += 1
+        self.loop_state.applied_steps += 1
         if not warming:  # the policy moved: the update ending now is its version
-            self._policy_version = self.state.global_step + 1
+            self.loop_state.policy_version = self.state.global_step + 1
         self.guards.finite_step()
         return GuardDecision.keep_going({})
 
@@ -883,14 +880,15 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def log_update(self, metrics: dict[str, float]) -> None:
         """Advance the step/episode counters and log ``metrics`` (plus lr, eps, episode)."""
         self.state.episode += self.args.batch_size
-        elapsed = max(time.time() - self._start_time, 1e-9)
-        previous = self._last_update_time
-        metrics["eps"] = int((self.state.episode - self._start_episode) / elapsed)
+        loop = self.loop_state
+        elapsed = max(time.time() - loop.start_time, 1e-9)
+        previous = loop.last_update_time
+        metrics["eps"] = int((self.state.episode - loop.start_episode) / elapsed)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["episode"] = self.state.episode
         self.state.epoch = self.state.episode / self.episodes_per_epoch
         self.state.global_step += 1
-        now = self._last_update_time = time.time()
+        now = loop.last_update_time = time.time()
         self.state.num_input_tokens_seen += int(metrics.get("val/num_tokens", 0))  # GRPO's num_tokens
         metrics.update(grpo_metrics(metrics, num_tokens_seen=self.state.num_input_tokens_seen,
                                     step_time=now - previous))
@@ -925,7 +923,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.state.halted_by = decision.guard
         if self._saves_checkpoints():
             name = f"{ckpt.CHECKPOINT_PREFIX}{self.state.global_step}-halted"
-            self._protected_checkpoints.add(name)
+            self.loop_state.protected_checkpoints.add(name)
             self._save_checkpoint(self.model, folder_name=name)
         if self.accelerator.is_main_process:  # every process took the same decision on gathered metrics
             logger.warning("PPO run halted by guard %r: %s", decision.guard, decision.message)

@@ -139,14 +139,6 @@ def test_environment_tokens_carry_no_kl():
     assert t.non_score_rewards[0].tolist() == pytest.approx([-0.05, 0.0, 0.1])
 
 
-def test_a_reward_on_an_environment_token_is_refused_not_dropped():
-    act = torch.tensor([[True, False, True]])
-    token_rewards = torch.tensor([[0.0, 0.3, 0.0]])
-    with pytest.raises(ValueError, match=r"row 0, index 1"):
-        compute_targets(_episode_rollout(act, torch.zeros(1, 3), torch.tensor([1.0]), token_rewards),
-                        gamma=1.0, lam=1.0, **_NO_SHAPING)
-
-
 @pytest.mark.parametrize("settings", [
     dict(whiten_rewards=False, whiten_advantages=True, lam_length_alpha=None, value_lam=None),
     dict(whiten_rewards=True, whiten_advantages=True, lam_length_alpha=0.05, value_lam=1.0),

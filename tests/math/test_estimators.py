@@ -325,16 +325,6 @@ def test_an_action_mask_moves_the_score_and_zeroes_environment_tokens():
     assert t.rewards[1, 0].item() == 0.0 and t.advantages[:, 0].tolist() == pytest.approx([0.5, -0.5, 0.5, -0.7])
 
 
-def test_a_token_reward_on_an_environment_token_is_refused():
-    token_rewards = torch.zeros(4, 3)
-    token_rewards[0, 1] = 1.0
-    actions = _small_rollout().response_mask.clone()
-    actions[:, 1] = False
-    with pytest.raises(ValueError, match="a response token the policy did not sample"):
-        E.estimator_targets(_small_rollout(token_rewards), advantage_estimator="rloo", num_generations=2,
-                            action_mask=actions, **SETTINGS)
-
-
 def test_estimator_settings_read_a_config(make_config):
     config = make_config()
     settings = E.estimator_settings(config)

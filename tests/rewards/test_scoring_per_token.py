@@ -253,7 +253,7 @@ def test_a_trainer_run_with_a_reward_function_returning_pairs(make_trainer, tok)
     assert len(logs) == 2 and all(h["objective/token_rewards"] == pytest.approx(5.0) for h in logs)
 
 
-def test_token_rewards_of_an_episode_place_numbers_on_the_last_action_and_refuse_environment_tokens():
+def test_token_rewards_of_an_episode_place_numbers_on_the_last_action():
     from trl_ppo_ext.rewards.scoring import token_rewards as place
 
     resp = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])
@@ -264,7 +264,43 @@ def test_token_rewards_of_an_episode_place_numbers_on_the_last_action_and_refuse
     # pairs index every response token (completion_ids' indices); actions are fine
     rewards, _ = place([[(0, 0.5), (2, 0.25)], None], resp, "steps", act)
     assert rewards.tolist() == [[0.5, 0, 0.25, 0, 0], [0, 0, 0, 0, 0]]
-    with pytest.raises(ValueError, match=r"reward 'steps' is 0\.5 at row 1, index 2"):
-        place([None, [(2, 0.5)]], resp, "steps", act)
-    with pytest.raises(ValueError, match=r"reward 'dense' is 0\.75 at row 0, index 3"):
-        place([[0.0, 0.0, 0.0, 0.75], [0.0, 0.0, 0.0]], resp, "dense", act)
+
+
+EPISODE_RESPONSE = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])
+EPISODE_ACTIONS = torch.tensor([[True, False, True, False, False], [True, True, False, False, False]])
+
+
+@pytest.mark.parametrize(("outputs", "message"), [
+    ([None, [(2, 0.5)]], r"reward 'steps' is 0\.5 at row 1, index 2"),  # row 1's token 2 is an environment token
+    ([[0.0, 0.0, 0.0, 0.75], [0.0, 0.0, 0.0]], r"reward 'steps' is 0\.75 at row 0, index 3"),
+])
+def test_a_reward_on_an_environment_token_names_the_function_among_several(outputs, message):
+    from trl_ppo_ext.rewards.scoring import Reward, evaluate_rewards_per_token
+
+    # "fine" puts its rewards on action tokens only (row 0: t0 and t2; row 1: t1); "steps" is the offender
+    rewards = [Reward("fine", lambda completions, **kw: [[(0, 1.0), (2, 1.0)], [(1, 1.0)]], 1.0),
+               Reward("steps", lambda completions, **kw: outputs, 1.0)]
+    with pytest.raises(ValueError, match=message):
+        evaluate_rewards_per_token(rewards, None, lambda: {"completions": ["a", "b"]}, EPISODE_RESPONSE, 1,
+                                   action_mask=EPISODE_ACTIONS)
+
+
+def test_the_environment_token_check_runs_once_per_batch(monkeypatch):
+    from trl_ppo_ext.advantages import compute_targets
+    from trl_ppo_ext.rewards.scoring import Reward, evaluate_rewards_per_token
+
+    calls = []
+    check = F.check_rewards_on_actions
+    monkeypatch.setattr(F, "check_rewards_on_actions", lambda *a, **kw: calls.append(a[3]) or check(*a, **kw))
+    rewards = [Reward("first", lambda completions, **kw: [[(0, 1.0)], [(0, 1.0)]], 1.0),
+               Reward("second", lambda completions, **kw: [[(2, 0.5)], [(1, 0.5)]], 2.0)]
+    _, _, _, tokens = evaluate_rewards_per_token(rewards, None, lambda: {"completions": ["a", "b"]},
+                                                 EPISODE_RESPONSE, 1, action_mask=EPISODE_ACTIONS)
+    # first: 1 on t0 of each row; second: 2 * .5 on row 0's t2 and row 1's t1
+    assert tokens.tolist() == [[1.0, 0, 1.0, 0, 0], [1.0, 1.0, 0, 0, 0]]
+    assert calls == [["first", "second"]]  # both functions in one check, each by name
+    rollout = replace(_hand_rollout(EPISODE_RESPONSE, torch.zeros(2), tokens, torch.ones(2, dtype=torch.bool)),
+                      action_mask=EPISODE_ACTIONS)
+    compute_targets(rollout, kl_coef=0.0, kl_estimator="k1", missing_eos_penalty=None, whiten_rewards=False,
+                    whiten_advantages=False, gamma=1.0, lam=1.0)
+    assert len(calls) == 1  # the update's targets read the checked sum without checking it again

@@ -461,26 +461,3 @@ def test_the_guards_count_the_totals_in_the_runs_counters_and_do_not_save_them_t
     assert "nonfinite_total" not in state and "stale_total" not in state  # ppo_state.json's "counters" has them
     assert guards.check({}, 2).figures == {"guard/nonfinite": 1.0, "guard/stale_rollouts": 1.0}
     assert (counters.nonfinite_steps, counters.stale_discarded) == (2, 1)
-
-
-def test_a_ppo_state_that_saved_the_totals_twice_resumes_to_the_same_totals():
-    from trl_ppo_ext.run.state import RunCounters
-
-    settings = _halting(nonfinite_halt_after=3, stale_halt_after=3)
-    guard_state = {"streaks": {}, "nonfinite_run": 1, "nonfinite_peak": 2, "nonfinite_total": 4, "stale_run": 0,
-                   "stale_total": 2, "history": []}  # as checkpoints wrote it before the totals had one home
-    ppo_state = {"guards": guard_state, "data_cursor": {"epoch": 0, "batches": 1},
-                 "counters": {"stale_discarded": 2, "nonfinite_steps": 4}}
-    counters = RunCounters()
-    shared = GuardRails(settings, counters)
-    shared.load_state_dict(ppo_state["guards"])  # the trainer's order: guards, then counters
-    counters.load_state_dict(ppo_state)
-    assert (counters.nonfinite_steps, counters.stale_discarded) == (4, 2)
-    own = GuardRails(settings)
-    own.load_state_dict(guard_state)
-    assert (own.counters.nonfinite_steps, own.counters.stale_discarded) == (4, 2)
-    # the run continues as before: two more skipped steps in a row halt (run 1 -> 3), total 6
-    shared.nonfinite_step(3)
-    decision = shared.nonfinite_step(3)
-    assert decision.halt and counters.nonfinite_steps == 6
-    assert "6 skipped in total" in decision.message

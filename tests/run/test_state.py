@@ -21,16 +21,6 @@ def test_counters_round_trip_through_their_state_dict():
     }
 
 
-def test_a_ppo_state_written_before_the_class_existed_loads():
-    # ppo_state.json as checkpoints written before RunCounters had it: cursor and two counters, no rollout age
-    saved = {"kl_controller": {"value": 0.05}, "data_cursor": {"epoch": 1, "batches": 3},
-             "counters": {"stale_discarded": 2, "nonfinite_steps": 7}, "world_size": 1}
-    counters = RunCounters(rollout_age=9, critic_warmup_updates=4, critic_warmup_over=True)
-    counters.load_state_dict(saved)
-    assert counters == RunCounters(epoch=1, batches=3, stale_discarded=2, nonfinite_steps=7, rollout_age=0,
-                                   critic_warmup_updates=0, critic_warmup_over=False)
-
-
 def test_a_fresh_run_starts_at_the_first_batch_of_epoch_zero_with_nothing_counted():
     assert RunCounters().state_dict() == {
         "data_cursor": {"epoch": 0, "batches": 0},

@@ -85,7 +85,7 @@ class WaitsForSigterm(PPOTrainer):
             if not self.marker.exists():
                 self.marker.write_text("waiting")
                 deadline = time.monotonic() + 300
-                while not self._sigterm.received and time.monotonic() < deadline:
+                while not self.loop_state.sigterm.received and time.monotonic() < deadline:
                     time.sleep(0.05)
         return super().compute_loss_terms(mb, adv, num_tokens)
 

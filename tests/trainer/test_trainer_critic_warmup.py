@@ -15,7 +15,6 @@ from trl_ppo_ext import PPOConfig
 from trl_ppo_ext import functional as F
 from trl_ppo_ext.critic_warmup import drop_policy_gradients, is_critic_parameter
 from trl_ppo_ext.models.actor_critic import SharedActorCritic
-from trl_ppo_ext.run.state import RunCounters
 from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -235,10 +234,3 @@ def test_critic_parameters_of_a_shared_model_with_a_value_adapter(tok):
     dropped = drop_policy_gradients(model)
     assert dropped == len(trainable) - len(critic)
     assert all((p.grad is not None) == (n in critic) for n, p in trainable)
-
-
-def test_warmup_counters_default_for_an_old_ppo_state():
-    counters = RunCounters()
-    counters.load_state_dict({"data_cursor": {"epoch": 0, "batches": 1}, "counters": {"stale_discarded": 0,
-                                                                                         "nonfinite_steps": 0}})
-    assert (counters.critic_warmup_updates, counters.critic_warmup_over) == (0, False)

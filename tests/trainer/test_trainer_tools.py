@@ -141,7 +141,7 @@ def test_preempted_checkpoints_leave_the_environments_out(tmp_path, policy_and_t
     policy, tok = policy_and_tok
     trainer = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path, num_mini_batches=2),
                             train_dataset=_data(), environment_factory=Vault)
-    trainer._sigterm.stop_agreed = lambda accelerator: True
+    trainer.loop_state.sigterm.stop_agreed = lambda accelerator: True
     rollout = trainer.score_rollout(trainer.generate_rollout(next(iter(trainer.dataloader))))
     assert "environments" in rollout.extras
     with pytest.raises(UpdatePreempted) as stop:
@@ -219,8 +219,8 @@ def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_t
     policy, tok = policy_and_tok
     stopped = ScriptedTurns(model=policy, processing_class=tok, args=_config(tmp_path, num_mini_batches=2),
                             train_dataset=_data(), tools=[multiply], reward_funcs=[_zero])
-    stopped._sigterm.stop_agreed = lambda accelerator: True
-    stopped._batches = stopped._repeat_dataloader()
+    stopped.loop_state.sigterm.stop_agreed = lambda accelerator: True
+    stopped.loop_state.batches = stopped._repeat_dataloader()
     rollout = stopped.collect_rollout(1)  # as run_update collects it: the tool counts start from 0
     expected = stopped._tool_metrics()
     assert expected["tools/call_frequency"] == 1.0 and expected["rollout/turns_max"] == 2.0
@@ -231,7 +231,7 @@ def test_a_resumed_preempted_update_logs_its_tool_figures(tmp_path, policy_and_t
 
     resumed = stopped  # as a fresh trainer loading the checkpoint: no tool loop has run in it
     resumed.sampler.tool_stats = ToolLoopStats()
-    resumed._resume_inflight = InflightUpdate.load(str(path), torch.device("cpu"))
+    resumed.loop_state.resume_inflight = InflightUpdate.load(str(path), torch.device("cpu"))
     again, _ = resumed._resumed_rollout()
     assert resumed._tool_metrics() == expected
     assert again.extras.keys() == rollout.extras.keys()  # the counts travel beside the columns, not in them

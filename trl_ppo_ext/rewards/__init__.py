@@ -4,6 +4,7 @@ services and process reward models, with what they report beside their rewards.
 ``scoring``  rewards built from ``reward_model`` + ``reward_funcs`` and evaluated per rollout
              (weights, ``None`` = "does not apply", per-token and per-turn rewards, the PRM step
              reading)
+``building`` every reward of a run built in one call, readied to score once the devices exist
 ``batch``    a sampled batch's rewards, every reward read once (the trainer's scoring phase)
 ``text``     a reward model with its own tokenizer: decode, render with its template, re-tokenize
 ``remote``   ``remote_reward(url)``: a reward served over HTTP (OpenRLHF's protocol)

@@ -420,7 +420,9 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
         action_mask: bool ``(B, T)`` inside ``response_mask``, the tokens the policy sampled in an
             episode with turns (None: all of them). Indices still count every response token (as
             ``completion_ids`` does); a non-zero reward on a token outside ``action_mask`` is an
-            error (``functional.check_rewards_on_actions``): GAE never reads one there.
+            error, checked once per batch for every function together where the rewards are
+            evaluated (:func:`evaluate_rewards_per_token`, ``functional.check_rewards_on_actions``):
+            GAE never reads one there.
     Returns:
         ``(rewards (B, T) float32 on response_mask's device, applies (B,) bool)``; ``rewards`` is 0
         wherever ``response_mask`` is False. A row with no valid token gets nothing (as
@@ -428,8 +430,7 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
     Raises:
         ValueError naming the reward, the completion and the index when an index lies outside the
         completion's valid tokens, a dense list has the wrong length, a ``TurnRewards`` has more
-        values than the completion has turns, an entry is not a number, or a non-zero reward
-        lands on an environment token.
+        values than the completion has turns, or an entry is not a number.
 
     Equivalent naive loop (``cols[b]`` = positions of row ``b``'s valid tokens)::
 
@@ -475,8 +476,6 @@ def token_rewards(outputs: Sequence, response_mask: torch.Tensor, name: str = "r
         rewards.index_put_((torch.tensor(rows), torch.tensor(places)), torch.tensor(values, dtype=torch.float32),
                            accumulate=True)
     applies = torch.tensor([out is not None for out in outputs], dtype=torch.bool)
-    if action_mask is not None:
-        F.check_rewards_on_actions(rewards, response_mask.cpu(), action_mask.cpu(), name)
     return rewards.to(response_mask.device), applies.to(response_mask.device)
 
 
@@ -533,6 +532,10 @@ def evaluate_rewards_per_token(
         ``token_rewards`` is None when no function returned a token-level output, else
         ``sum_f weight_f * token_rewards_f`` over the rows where ``f`` applies (0 off the mask),
         to add to the shaped rewards.
+    Raises:
+        ValueError: a function put a non-zero reward on a token outside ``action_mask`` (checked once
+            for the batch, on every token-level function's rewards together; the error names the
+            first offending function, its row and index: ``functional.check_rewards_on_actions``).
     """
     return _evaluate(rewards, model_scores, function_kwargs, response_mask.shape[0], update, response_mask.device,
                      response_mask, action_mask)
@@ -546,6 +549,7 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
     applies: list = [None] * len(rewards)  # (B,) bool per reward
     in_scores = [True] * len(rewards)
     total = None  # (B, T) float32
+    placed_by: list[tuple[str, torch.Tensor]] = []  # each token-level function's (B, T), checked together below
     for k, reward in enumerate(rewards):
         if reward.is_model:
             values[k] = model_scores(reward).float().to(device)  # stays on the device: no host round trip
@@ -557,6 +561,7 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
         for k, out in zip(functions, outputs):
             if any(is_token_level(o) for o in out):
                 placed, applies[k] = token_rewards(out, response_mask, rewards[k].name, action_mask)
+                placed_by.append((rewards[k].name, placed))
                 values[k] = torch.where(applies[k], placed.sum(1), math.nan)
                 part = torch.where(applies[k][:, None], rewards[k].weight * placed, 0.0)
                 total = part if total is None else total + part
@@ -564,6 +569,9 @@ def _evaluate(rewards, model_scores, function_kwargs, batch_size: int, update: i
             else:
                 column, mask = values_and_mask([out], device)
                 values[k], applies[k] = column[:, 0], mask[:, 0]
+    if placed_by and action_mask is not None:  # once per batch, naming the function (GAE never reads one there)
+        names, placed_all = zip(*placed_by)
+        F.check_rewards_on_actions(torch.stack(placed_all), response_mask, action_mask, list(names))
     values, applies = torch.stack(values, dim=1), torch.stack(applies, dim=1)
     none_apply = int((~applies.any(dim=1)).sum()) if functions else 0  # only a function can return None
     if none_apply:

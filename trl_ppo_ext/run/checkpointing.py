@@ -80,6 +80,7 @@ from ..models import fsdp
 from ..models.prepare import config_values
 from ..models.sharding import full_state, gathered, load_full_value, zero_stage
 from .preemption import PREEMPTED, InflightUpdate, inflight_filename
+from .state import LoopState
 
 logger = logging.getLogger(__name__)
 
@@ -460,9 +461,10 @@ def _setup_name(optimizer_format: str, stage: int | None) -> str:
 class CheckpointedRun(Protocol):
     """What :class:`CheckpointMixin` reads of the trainer it is mixed into, and nothing else (a test
     holds the two lists equal): the run's parts it saves and restores, and the trainer's facts it
-    reads to do so. It writes only its own resume bookkeeping (``_resume_path``, ``_resume_exact``,
-    ``_resume_inflight``, ``_last_checkpoint``), ``model`` (a reloaded FSDP2 wrapper) and clears
-    ``_inflight`` once saved."""
+    reads to do so. Of the loop's state (``loop_state``) it reads ``inflight``,
+    ``protected_checkpoints``, ``last_checkpoint`` and ``resume_*``; it writes there only its own
+    resume bookkeeping (``resume_path``, ``resume_exact``, ``resume_inflight``, ``last_checkpoint``)
+    and clears ``inflight`` once saved; of the trainer it writes ``model`` (a reloaded FSDP2 wrapper)."""
 
     args: object  # the PPOConfig: output_dir, save limits, seeds, hub settings
     state: object  # transformers' TrainerState (OnlineTrainerState)
@@ -479,10 +481,8 @@ class CheckpointedRun(Protocol):
     local_seed: int
     is_deepspeed_enabled: bool
     is_peft_model: bool
-    _protected_checkpoints: set  # checkpoint folders never rotated away
-    _last_checkpoint: object  # (global step, path) of the latest save, or None
-    _inflight: object  # a preempted update's progress to save, or None
-    _resume_path: object  # the checkpoint being resumed, or None
+    loop_state: LoopState  # the loop's state between updates (run.state.LoopState)
+    _saved_dropout: list  # (config, name, value) of the trained models' configs, written back on save
 
     def create_model_card(self, *args, **kwargs): ...
 
@@ -511,18 +511,18 @@ class CheckpointMixin:
             self.save_model(tmp, _internal_call=True)
             self._save_training_state(tmp)  # every process: ZeRO gathers and DeepSpeed's save are collective
             save_rng_state(tmp, self.accelerator.process_index)
-            if getattr(self, "_inflight", None) is not None:
-                self._inflight.save(os.path.join(tmp, inflight_filename(self.accelerator.process_index)))
+            if self.loop_state.inflight is not None:
+                self.loop_state.inflight.save(os.path.join(tmp, inflight_filename(self.accelerator.process_index)))
             self.accelerator.wait_for_everyone()
             if is_main:
                 self.state.save_to_json(os.path.join(tmp, COMPLETE_MARKER))
         self.accelerator.wait_for_everyone()
         if is_main and folder_name is None:
             rotate_checkpoints(
-                self.args.output_dir, self.args.save_total_limit, keep=self._protected_checkpoints,
+                self.args.output_dir, self.args.save_total_limit, keep=self.loop_state.protected_checkpoints,
                 required_files=CHECKPOINT_FILES,
             )
-        self._last_checkpoint = (step, final)
+        self.loop_state.last_checkpoint = (step, final)
         return final
 
     def _write_model_card(self) -> None:
@@ -593,7 +593,7 @@ class CheckpointMixin:
             ppo_state = load_json(os.path.join(path, PPO_STATE))
             trainable = load_checkpoint_file(path, TRAINABLE_STATE)
             optimizer_state = None
-            if ppo_state.get("optimizer_format", "torch") == "torch":
+            if ppo_state["optimizer_format"] == "torch":
                 optimizer_state = load_checkpoint_file(path, OPTIMIZER)
             scheduler_state = load_checkpoint_file(path, SCHEDULER)
         except UnsafeCheckpointError:
@@ -636,7 +636,7 @@ class CheckpointMixin:
         if not exact:  # updates now hold another number of episodes: the run still ends at total_episodes
             remaining = max(0, self.args.total_episodes - self.state.episode)
             self.state.max_steps = self.state.global_step + math.ceil(remaining / self.args.batch_size)
-        self._resume_path, self._resume_exact = path, exact
+        self.loop_state.resume_path, self.loop_state.resume_exact = path, exact
 
     def _check_resume_topology(self, path: str, ppo_state: dict) -> bool:
         """Whether the checkpoint resumes bit for bit here (same number of processes).
@@ -644,10 +644,10 @@ class CheckpointMixin:
         Raises ``ValueError`` where it cannot resume at all: DeepSpeed's optimizer shards read by
         a run without DeepSpeed (or the reverse), by another ZeRO stage or another process count.
         """
-        saved_world, world = ppo_state.get("world_size"), self.accelerator.num_processes
-        saved_format = ppo_state.get("optimizer_format", "torch")
+        saved_world, world = ppo_state["world_size"], self.accelerator.num_processes
+        saved_format = ppo_state["optimizer_format"]
         here = DEEPSPEED_STATE if self.is_deepspeed_enabled else "torch"
-        saved_setup = _setup_name(saved_format, ppo_state.get("zero_stage"))
+        saved_setup = _setup_name(saved_format, ppo_state["zero_stage"])
         setup = _setup_name(here, zero_stage(self.accelerator))
         if saved_setup != setup:
             raise ValueError(
@@ -673,8 +673,7 @@ class CheckpointMixin:
         """Batches consumed in the saved epoch, for another process count: up to the first batch
         that starts at or after the prompts the checkpoint had consumed (a few may be skipped,
         none repeated)."""
-        saved_batch = ppo_state.get("batch_size") or self.plan.local_batch_size * ppo_state["world_size"]
-        consumed = ppo_state["data_cursor"]["batches"] * saved_batch
+        consumed = ppo_state["data_cursor"]["batches"] * ppo_state["batch_size"]
         return math.ceil(consumed / self.plan.batch_size)
 
     def _load_deepspeed_state(self, path: str) -> None:
@@ -689,7 +688,7 @@ class CheckpointMixin:
 
     def _load_inflight(self, path: str, exact: bool) -> None:
         """The update a preempted checkpoint stopped in, continued by the first resumed update."""
-        self._resume_inflight = None
+        self.loop_state.resume_inflight = None
         file = os.path.join(path, inflight_filename(self.accelerator.process_index))
         if not os.path.exists(file):
             return
@@ -697,15 +696,16 @@ class CheckpointMixin:
             logger.warning("Checkpoint %r stopped inside an update; with another number of processes its "
                            "remaining optimizer steps are dropped and a new update starts.", path)
             return
-        self._resume_inflight = InflightUpdate.load(file, self.accelerator.device)
+        self.loop_state.resume_inflight = InflightUpdate.load(file, self.accelerator.device)
 
     def _restore_rng(self) -> None:
         """Every random generator as the checkpoint left it; re-seeded (from the seed, the process
         and the step) when the checkpoint came from another number of processes."""
-        if not getattr(self, "_resume_path", None):
+        loop = self.loop_state
+        if not loop.resume_path:
             return
-        if getattr(self, "_resume_exact", True):
-            load_rng_state(self._resume_path, self.accelerator.process_index)
+        if loop.resume_exact:
+            load_rng_state(loop.resume_path, self.accelerator.process_index)
             return
         import numpy as np
 
@@ -722,12 +722,12 @@ class CheckpointMixin:
         self.state.stop_reason = PREEMPTED
         name = f"{CHECKPOINT_PREFIX}{self.state.global_step}" + (PREEMPTED_SUFFIX if inflight else "")
         path = os.path.join(self.args.output_dir, name)
-        just_saved = self._last_checkpoint == (self.state.global_step, path) and os.path.isdir(path)
+        just_saved = self.loop_state.last_checkpoint == (self.state.global_step, path) and os.path.isdir(path)
         if not inflight and just_saved:
             self._record_stop_in_checkpoint(path)  # save_steps wrote this update's checkpoint: no second save
         else:
             self._save_checkpoint(self.model, folder_name=name)
-        self._inflight = None
+        self.loop_state.inflight = None
         logger.warning("SIGTERM: stopped after update %d%s; checkpoint %s written.", self.state.global_step,
                        " and part of the next one" if inflight else "", name)
 
@@ -735,7 +735,7 @@ class CheckpointMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the policy (or adapter) for inference; a shared actor-critic also saves its value
         head. The saved config keeps the dropout values it came with (training runs with 0)."""
-        with config_values(getattr(self, "_dropout_in_configs", ())):
+        with config_values(self._saved_dropout):
             self._save_policy(output_dir or self.args.output_dir, _internal_call)
 
     def _save_policy(self, output_dir: str, _internal_call: bool) -> None:

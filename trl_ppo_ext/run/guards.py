@@ -551,10 +551,11 @@ class GuardRails:
     def load_state_dict(self, state: dict) -> None:
         """Restore counters saved by :meth:`state_dict`. Thresholds stay those of ``self.settings``.
 
-        The totals are read into the guards' own counters only: a state saved before the totals
-        had one home carries them here too, and a trainer restores the same values from its
-        ``RunCounters`` (``ppo_state.json`` has always held both)."""
-        missing = {"streaks", "nonfinite_run", "nonfinite_peak", "stale_run", "history"} - set(state)
+        The totals (``nonfinite_total``, ``stale_total``) are read only by guards that keep their
+        own counters; a trainer's guards count into the run's ``RunCounters``, restored from
+        ``ppo_state.json``'s ``counters``."""
+        required = {"streaks", "nonfinite_run", "nonfinite_peak", "stale_run", "history", "value_losses", "warning"}
+        missing = required - set(state)
         if missing:
             raise ValueError(
                 f"Guard state is missing {sorted(missing)}; it was not written by GuardRails.state_dict(). "
@@ -564,15 +565,16 @@ class GuardRails:
         self._nonfinite_run, self._nonfinite_peak = int(state["nonfinite_run"]), int(state["nonfinite_peak"])
         self._stale_run = int(state["stale_run"])
         if self._owns_counters:
+            # a trainer's guard state has no totals (its RunCounters hold them): 0 for guards of their own
             self.counters.nonfinite_steps = int(state.get("nonfinite_total", 0))
             self.counters.stale_discarded = int(state.get("stale_total", 0))
         self._history = deque(
             ((int(u), float(s), None if h is None else float(h)) for u, s, h in state["history"]),
             maxlen=self.settings.reward_hacking_window,
         )
-        self._value_losses = deque((float(v) for v in state.get("value_losses", [])),
+        self._value_losses = deque((float(v) for v in state["value_losses"]),
                                    maxlen=self.settings.value_patience)
-        self._warning = set(state.get("warning", []))
+        self._warning = set(state["warning"])
 
 
 def run_guards(args, counters: RunCounters) -> GuardRails:

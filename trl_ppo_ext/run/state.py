@@ -1,6 +1,8 @@
 """The run's own state beyond transformers' ``TrainerState``: :class:`RunCounters` (where the
-run is in the data, what went wrong), saved in ``ppo_state.json`` as a unit; and
-:class:`OnlineTrainerState`, the ``TrainerState`` of an online run (episodes, why it stopped).
+run is in the data, what went wrong), saved in ``ppo_state.json`` as a unit;
+:class:`OnlineTrainerState`, the ``TrainerState`` of an online run (episodes, why it stopped); and
+:class:`LoopState`, what the training loop and the checkpoint code keep between updates and never
+save (the policy's version, the SIGTERM watcher, a preempted update, the clock of this ``train()``).
 
 Saving and loading a run is :mod:`trl_ppo_ext.run.checkpointing`.
 
@@ -14,8 +16,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from transformers import TrainerState
+
+from .preemption import InflightUpdate, SigtermWatcher
 
 
 @dataclasses.dataclass
@@ -33,8 +38,7 @@ class RunCounters:
     critic_warmup_over: bool = False  # the warm-up ended (its update count, or its explained variance reached)
 
     def state_dict(self) -> dict:
-        """``{"data_cursor": {epoch, batches}, "counters": {...}}``, the keys ``ppo_state.json``
-        has always used (checkpoints written before this class resume unchanged)."""
+        """``{"data_cursor": {epoch, batches}, "counters": {...}}``, the keys of ``ppo_state.json``."""
         return {
             "data_cursor": {"epoch": self.epoch, "batches": self.batches},
             "counters": {"stale_discarded": self.stale_discarded, "nonfinite_steps": self.nonfinite_steps,
@@ -43,15 +47,14 @@ class RunCounters:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`state_dict`'s form; ``rollout_age`` and the critic warm-up counters
-        default to 0 / False (older files)."""
+        """Restore from :meth:`state_dict`'s form (every released version wrote each key)."""
         cursor, counters = state["data_cursor"], state["counters"]
         self.epoch, self.batches = int(cursor["epoch"]), int(cursor["batches"])
         self.stale_discarded = int(counters["stale_discarded"])
         self.nonfinite_steps = int(counters["nonfinite_steps"])
-        self.rollout_age = int(counters.get("rollout_age", 0))
-        self.critic_warmup_updates = int(counters.get("critic_warmup_updates", 0))
-        self.critic_warmup_over = bool(counters.get("critic_warmup_over", False))
+        self.rollout_age = int(counters["rollout_age"])
+        self.critic_warmup_updates = int(counters["critic_warmup_updates"])
+        self.critic_warmup_over = bool(counters["critic_warmup_over"])
 
 
 
@@ -62,3 +65,30 @@ class OnlineTrainerState(TrainerState):
     episode: int = 0
     stop_reason: str | None = None  # a guard's message when a guard halted the run
     halted_by: str | None = None  # the guard's name
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What the training loop keeps between its updates, in one place: the trainer's phases and
+    the checkpoint code (``run.checkpointing.CheckpointMixin``) read and write these fields, and
+    no other trainer attribute holds loop state. Nothing here is saved as it is: a checkpoint
+    records ``inflight`` and the counters, and a resume fills ``resume_*``."""
+
+    # the global step the policy's weights are from: advanced by a step that moved the policy (not a critic
+    # warm-up step), set by a resume; a generation engine gets weights when it changes
+    policy_version: int = 0
+    applied_steps: int = 0  # optimizer steps taken (not skipped) by this trainer object
+    sigterm: SigtermWatcher = dataclasses.field(default_factory=lambda: SigtermWatcher("off"))  # train()'s own
+    batches: Iterator | None = None  # the prompt batches from the data cursor (data.repeat_batches); train() sets
+    inflight: InflightUpdate | None = None  # a preempted update's progress, to checkpoint
+    resume_inflight: InflightUpdate | None = None  # ... and the one a resumed run continues
+    resume_path: str | None = None  # the checkpoint this train() resumed from
+    resume_exact: bool = True  # whether it resumes bit for bit (same number of processes)
+    last_checkpoint: tuple[int, str] | None = None  # (global step, path) of the latest save
+    protected_checkpoints: set[str] = dataclasses.field(default_factory=set)  # never rotated away
+    # this train() call's start (time.time(), episode, global step), its last update's end and its loss sum
+    start_time: float = 0.0
+    start_episode: int = 0
+    start_step: int = 0
+    last_update_time: float = 0.0
+    loss_total: float = 0.0
