@@ -174,17 +174,22 @@ def test_max_staleness_zero_leaves_the_synchronous_sampler_alone():
     assert engine.staged == [] and sampler._producer is None and sampler.engine is None
 
 
-def test_episodes_and_engines_without_staged_versions_are_refused():
+def test_engines_without_staged_versions_are_refused():
     cursor = SimpleNamespace(epoch=0, batches=0)
     feed = PromptFeed(_data(cursor), cursor, lambda batch: batch)
-    sampler = RolloutSampler(_args(1), SimpleNamespace(pad_token_id=0), Accelerator(cpu=True), (49,),
-                             rollout_func=lambda prompts: {}, engine_factory=FakeFileEngine)
-    with pytest.raises(NotImplementedError, match="max_staleness=1 samples single-turn batches"):
-        sampler.next_sample(feed, PolicySnapshot(_model(), 0, 0))
 
     class NoStaging(GenerationEngine):  # an engine that pushes at once (the NCCL one, a colocated one)
         generate = _push_policy = None
 
     sampler = _sampler(1, NoStaging())
     with pytest.raises(NotImplementedError, match="needs an engine that stages versions"):
+        sampler.next_sample(feed, PolicySnapshot(_model(), 0, 0))
+
+
+def test_several_processes_need_an_engine_that_follows_the_versions_process_0_pushes():
+    cursor = SimpleNamespace(epoch=0, batches=0)
+    feed = PromptFeed(_data(cursor), cursor, lambda batch: batch)
+    sampler = _sampler(1, FakeFileEngine())  # stages, but every process would push its own versions
+    sampler.accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, device="cpu")
+    with pytest.raises(NotImplementedError, match="with 2 processes needs a weight push that keeps several"):
         sampler.next_sample(feed, PolicySnapshot(_model(), 0, 0))
