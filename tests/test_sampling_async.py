@@ -368,7 +368,8 @@ def test_a_rollout_func_runs_on_the_producer_thread_and_its_turns_sample_the_sta
         sampler.end_update(PolicySnapshot(model, step + 1, step + 1))
     sampler.close_engine()
     assert versions == [0, 0, 1] and set(threads) == {"rollout-producer"}
-    assert engine.used == [0, 0, 0, 0, 1, 1]  # two turns per batch, each at the batch's version
+    # two turns per batch, each at the batch's version (batch 3, sampled ahead before the close, may follow)
+    assert engine.used[:6] == [0, 0, 0, 0, 1, 1]
 
 
 def test_a_resumed_run_with_a_rollout_func_samples_what_the_run_that_went_on_sampled():
@@ -395,7 +396,8 @@ def test_a_resumed_run_with_a_rollout_func_samples_what_the_run_that_went_on_sam
     sampler_b.close_engine()
     assert seen_b == seen_a[2:]  # versions, responses (request seeds from the index) and cursors
     assert [s[0] for s in seen_a] == [0, 0, 2, 2, 3]  # the checkpoint after update 2 is a synchronisation point
-    assert all(seeds in engine_a.seeds for seeds in engine_b.seeds)  # the request seeds, exactly
+    # the request seeds of batches 2-4, exactly (either run may sample batch 5 ahead before its close)
+    assert all(seeds in engine_a.seeds for seeds in engine_b.seeds[:3])
 
 
 def test_several_samples_per_prompt_stay_together_in_their_batch_for_the_group_estimators():

@@ -25,7 +25,10 @@ the ``policy_version`` that sampled it (never more than ``max_staleness`` behind
 (at a checkpoint it also discards the batches in flight, which are sampled again from the saved
 weights: exact resume needs nothing saved but the step); :meth:`RolloutSampler.async_metrics` gives
 the ``async/*`` (and ``off_policy/*``) figures. Request seeds come from the batch's index, not the
-run's RNG, which the trainer's thread draws from meanwhile.
+run's RNG, which the trainer's thread draws from meanwhile. Episodes (a ``rollout_func``, the tool
+loop) are sampled whole on the producer's thread, every turn at the batch's version, environments
+from a pool slot of their own; with several processes process 0 pushes each version and the others
+follow it after a barrier on the trainer's thread (:meth:`RolloutSampler.end_update`).
 
 Notation: ``B`` prompts, ``P`` prompt positions (left padded), ``T`` response positions.
 
