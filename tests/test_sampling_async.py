@@ -64,9 +64,14 @@ def _model():
     return model
 
 
-def _data(cursor, n_per_epoch=3):
-    """The trainer's ``_repeat_dataloader``: batch ``b`` of epoch ``e`` holds the prompts ``[[10 + 3 e + b]]``
-    (two rows), starting at the cursor and moving it."""
+def _token_batch(epoch, b, n_per_epoch):
+    token = 10 + n_per_epoch * epoch + b
+    return {"input_ids": torch.tensor([[token], [token]]), "attention_mask": torch.ones(2, 1)}
+
+
+def _data(cursor, n_per_epoch=3, batch_of=_token_batch):
+    """The trainer's ``_repeat_dataloader``: batch ``b`` of epoch ``e`` is ``batch_of(e, b, n_per_epoch)``
+    (by default the prompts ``[[10 + 3 e + b]]``, two rows), starting at the cursor and moving it."""
     def restart():
         while True:
             skip = cursor.batches
@@ -74,8 +79,7 @@ def _data(cursor, n_per_epoch=3):
                 if b < skip:
                     continue
                 cursor.batches = b + 1
-                token = 10 + 3 * cursor.epoch + b
-                yield {"input_ids": torch.tensor([[token], [token]]), "attention_mask": torch.ones(2, 1)}
+                yield batch_of(cursor.epoch, b, n_per_epoch)
             cursor.epoch, cursor.batches = cursor.epoch + 1, 0
     return restart
 
@@ -256,20 +260,11 @@ class Vault:
         return "ok"
 
 
-def _episode_data(cursor, rows=2, n_per_epoch=4):
+def _code_batch(epoch, b, n_per_epoch, rows=2):
     """Batch ``b`` holds ``rows`` prompts "code <100 b + r>" (a ``code`` column too) and token prompts."""
-    def restart():
-        while True:
-            skip = cursor.batches
-            for b in range(n_per_epoch):
-                if b < skip:
-                    continue
-                cursor.batches = b + 1
-                codes = [100 * (n_per_epoch * cursor.epoch + b) + r for r in range(rows)]
-                yield {"input_ids": torch.tensor([[5]] * rows), "attention_mask": torch.ones(rows, 1),
-                       "prompt": [[{"role": "user", "content": f"code {c}"}] for c in codes], "code": codes}
-            cursor.epoch, cursor.batches = cursor.epoch + 1, 0
-    return restart
+    codes = [100 * (n_per_epoch * epoch + b) + r for r in range(rows)]
+    return {"input_ids": torch.tensor([[5]] * rows), "attention_mask": torch.ones(rows, 1),
+            "prompt": [[{"role": "user", "content": f"code {c}"}] for c in codes], "code": codes}
 
 
 # a rollout_func receives the decoded prompts: any text does
@@ -301,7 +296,7 @@ def test_tool_episodes_are_sampled_ahead_at_one_version_and_keep_their_own_envir
     engine, cursor = FakeToolEngine(tok), SimpleNamespace(epoch=0, batches=0)
     max_staleness = 2
     sampler = _tool_sampler(max_staleness, tok, engine)
-    model, feed = _episode_model(len(tok)), PromptFeed(_episode_data(cursor), cursor, lambda batch: batch)
+    model, feed = _episode_model(len(tok)), PromptFeed(_data(cursor, 4, _code_batch), cursor, lambda batch: batch)
     seen = []
     for step in range(5):
         sampler.tool_stats = type(sampler.tool_stats)()  # as the trainer's collect_rollout does
