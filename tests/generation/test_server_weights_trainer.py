@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from peft import LoraConfig
 
 from trl_ppo_ext.generation.arguments import vllm_installed
@@ -40,12 +41,12 @@ def server(tmp_path_factory):
         yield f"http://127.0.0.1:{port}", process, root
 
 
-def _trainer(server, tmp_path, **overrides):
+def _trainer(server, tmp_path, with_value=True, **overrides):
     from trl_ppo_ext import PPOTrainer
 
     url, process, root = server
     tok = build_tiny_tokenizer(pad_equals_eos=True)
-    ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0, **VLLM_SHAPES), lora_config=LORA)
+    ac = SharedActorCritic(build_tiny_causal_lm(tok, seed=0, **VLLM_SHAPES), lora_config=LORA, with_value=with_value)
     settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=STARTUP_SECONDS,
                     total_episodes=8, temperature=1.0, learning_rate=1e-2)
     args = tiny_config(tmp_path, **{**settings, **overrides})
@@ -165,3 +166,21 @@ def test_tool_episodes_are_sampled_ahead_on_the_server_at_their_batchs_version(c
     moved = max((v - before[k]).abs().max().item() for k, v in _policy_params(trainer).items())
     assert moved > 1e-4, "the policy did not move"
     assert trainer.engine is None and trainer.sampler._producer is None
+
+
+def test_groups_of_samples_train_with_a_critic_free_estimator_when_sampled_ahead(server, tmp_path):
+    # 2 prompts x num_generations=2 per batch, advantage_estimator="grpo": each group is sampled in one batch
+    trainer = _trainer(server, tmp_path, with_value=False, max_staleness=1, total_episodes=12, num_generations=2,
+                       advantage_estimator="grpo", off_policy_correction="tis",
+                       vllm_importance_sampling_correction=False)
+    seen = []
+    score = trainer.score_rollout
+    trainer.score_rollout = lambda sample: seen.append(sample.queries.clone()) or score(sample)
+    before = _policy_params(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "async/staleness" in h]
+    assert [h["async/staleness"] for h in logs] == [0.0, 1.0, 1.0]
+    for queries in seen:  # the two samples of a prompt on adjacent rows of the same batch
+        assert len(queries) == 4 and torch.equal(queries[0], queries[1]) and torch.equal(queries[2], queries[3])
+    moved = max((v - before[k]).abs().max().item() for k, v in _policy_params(trainer).items())
+    assert moved > 1e-4, "the policy did not move"
