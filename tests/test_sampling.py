@@ -40,7 +40,7 @@ class _Tools:
         self.generate = None
         self.last_stats = None
 
-    def __call__(self, rows, generate):
+    def run(self, rows, generate, slot=0):
         self.generate = generate
         raise _Handed  # enough: the callable was handed over
 
@@ -68,7 +68,7 @@ def test_the_tool_loop_gets_the_episodes_settings_bound_as_arguments():
     assert isinstance(generate, functools.partial) and generate.func == sampler._continue_checked
     # greedy as asked (0.0, not the config's 0.7); no log-prob forward without vLLM
     assert generate.keywords["turn"] == TurnSettings(model.policy, 0.0, logprobs=False, weights_version=2)
-    assert sampler._episode is None  # nothing left behind after the batch
+    assert sampler._local.episode is None  # nothing left behind after the batch
 
 
 def test_a_subclass_turn_hook_replaces_the_samplers_own():

@@ -151,9 +151,12 @@ class RolloutProducer:
             return dict(self._metrics)
 
     def needed_version(self) -> int:
-        """The oldest version a batch not yet sampled can ask for: older ones may be released."""
+        """The oldest version a batch the consumer has not taken yet can ask for: older ones may be
+        released. Counted from the consumer's position, not the producer's, so that processes whose
+        producers run at different paces but whose consumers step together agree on it (one process
+        releases the versions every process's producer samples from)."""
         with self._cond:
-            return min(self._target(self._next), self._latest)
+            return min(self._target(self._taken), self._latest)
 
     def checkpoint(self) -> dict[str, int]:
         """Discard queued and in-flight batches; the state a resumed producer starts from."""

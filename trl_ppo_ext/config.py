@@ -167,7 +167,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             0 the rollout sampler samples the next batches in a background thread while the
             trainer updates (``sampling.RolloutSampler.next_sample``, docs/async.md); this needs
             ``use_vllm=True, vllm_mode="server"``: only an engine in its own process samples from
-            a copy of the weights that the update running beside it does not touch.
+            a copy of the weights that the update running beside it does not touch. Episodes (a
+            ``rollout_func``, ``tools``, ``environment_factory``) are sampled on that thread too,
+            every turn at the batch's version (a ``rollout_func`` runs there); with several
+            processes the server's weights go as a LoRA adapter (``vllm_server_weight_sync``).
         off_policy_correction (`str`, defaults to `"none"`):
             How the gap between the policy that sampled a batch (the engine's log-probs) and the
             proximal policy (the trainer's log-probs of the current weights, recomputed when the

@@ -25,7 +25,10 @@ the ``policy_version`` that sampled it (never more than ``max_staleness`` behind
 (at a checkpoint it also discards the batches in flight, which are sampled again from the saved
 weights: exact resume needs nothing saved but the step); :meth:`RolloutSampler.async_metrics` gives
 the ``async/*`` (and ``off_policy/*``) figures. Request seeds come from the batch's index, not the
-run's RNG, which the trainer's thread draws from meanwhile.
+run's RNG, which the trainer's thread draws from meanwhile. Episodes (a ``rollout_func``, the tool
+loop) are sampled whole on the producer's thread, every turn at the batch's version, environments
+from a pool slot of their own; with several processes process 0 pushes each version and the others
+follow it after a barrier on the trainer's thread (:meth:`RolloutSampler.end_update`).
 
 Notation: ``B`` prompts, ``P`` prompt positions (left padded), ``T`` response positions.
 
@@ -82,10 +85,11 @@ class PolicySnapshot:
 class TurnSettings:
     """How the turns of the episodes being sampled continue their prefixes."""
 
-    policy: nn.Module  # the causal LM that samples (unwrapped; gathered under ZeRO-3)
+    policy: nn.Module | None  # the causal LM that samples (unwrapped; gathered under ZeRO-3); None ahead
     temperature: float  # as asked; 0: near-greedy (``effective_temperature``)
     logprobs: bool  # whether the sampler's log-probs are computed where ``generate`` samples
-    weights_version: int  # see PolicySnapshot
+    weights_version: int  # see PolicySnapshot; ahead: the staged version every turn samples from
+    ahead: torch.Generator | None = None  # sampled ahead (producer thread): the batch's request-seed stream
 
 
 def prompt_tensors(batch, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +178,8 @@ class RolloutSampler:
         # The turn settings of the episodes being sampled. A rollout_func receives the trainer (TRL's contract)
         # and calls its generate_continuations(prefixes, max_new_tokens): those calls find the episode's policy,
         # temperature and log-prob mode here. The tool loop gets them bound as arguments instead.
-        self._episode: TurnSettings | None = None
+        # Per thread: the producer's episodes (max_staleness > 0) and the trainer's own run at the same time.
+        self._local = threading.local()
         # max_staleness > 0: the producer thread, the prompts it reads ahead, the newest published version,
         # the batch handed out last; the lock keeps one engine request stream at a time (producer or trainer)
         self._producer: RolloutProducer | None = None
@@ -182,6 +187,7 @@ class RolloutSampler:
         self._published = 0
         self._last: VersionedBatch | None = None
         self._engine_lock = threading.Lock()
+        self._vocab_size = 0  # the policy's embedding rows, for the episodes the producer samples
 
     # ------------------------------------------------------------------ whole batches
     @torch.no_grad()
@@ -225,30 +231,39 @@ class RolloutSampler:
         tool loop's turns skip the sampler's log-probs without vLLM (the trainer's forward gives the
         old ones); with vLLM the engine's are kept (importance weights, ``sampling/*``).
         """
+        # an id past the embedding rows would crash deep in the model (a device assert on CUDA): refused there
+        vocab_size = functools.partial(embedding_rows, self.accelerator.unwrap_model(policy.model).policy)
+        with self._generating(policy.model) as module:
+            turn = TurnSettings(module, temperature, logprobs=self.args.use_vllm if self.agent_rollout else True,
+                                weights_version=policy.weights_version)
+            sample, stats = self._episodes(batch, turn, self.accelerator.device, policy.version, vocab_size)
+        self.tool_stats = self.tool_stats + stats
+        return sample
+
+    def _episodes(self, batch, turn: TurnSettings, device, policy_version: int, vocab_size: Callable[[], int],
+                  slot: int = 0) -> tuple[SampledBatch, ToolLoopStats]:
+        """:meth:`sample_episodes`' batch, its turns sampled as ``turn`` says, on ``device``, and
+        the tool loop's counts (none for a ``rollout_func``). ``vocab_size()``: the policy's
+        embedding rows (ids are checked against them); ``slot``: the environment pool
+        (``agents.Environments.draw``; 0 on the trainer's thread). Reads no trainer state."""
         args, tok = self.args, self.tokenizer
         extras = _columns(batch)
         prompts = extras.get("prompt")
         if prompts is None:
-            queries, query_mask = prompt_tensors(batch, tok.pad_token_id, self.accelerator.device)
+            queries, query_mask = prompt_tensors(batch, tok.pad_token_id, device)
             prompts = tok.batch_decode([q[m].tolist() for q, m in zip(queries, query_mask)], skip_special_tokens=True)
-        with self._generating(policy.model) as module:
-            turn = TurnSettings(module, temperature, logprobs=args.use_vllm if self.agent_rollout else True,
-                                weights_version=policy.weights_version)
-            with self._in_episode(turn):
-                if self.agent_rollout is not None:  # tools / environments: the tool loop
-                    rows = [{k: column[b] for k, column in extras.items()} for b in range(len(prompts))]
-                    generate = self.turns or functools.partial(self._continue_checked, turn=turn)
-                    output = self.agent_rollout(copy.deepcopy(rows), generate)
-                    self.tool_stats = self.tool_stats + self.agent_rollout.last_stats
-                else:
-                    output = self.rollout_func(copy.deepcopy(prompts))
-        # an id past the embedding rows would crash deep in the model (a device assert on CUDA): refused here
-        vocab_size = embedding_rows(self.accelerator.unwrap_model(policy.model).policy)
+        stats = ToolLoopStats()
+        with self._in_episode(turn):
+            if self.agent_rollout is not None:  # tools / environments: the tool loop
+                rows = [{k: column[b] for k, column in extras.items()} for b in range(len(prompts))]
+                generate = self.turns or functools.partial(self._continue_checked, turn=turn)
+                output, stats = self.agent_rollout.run(copy.deepcopy(rows), generate, slot=slot)
+            else:
+                output = self.rollout_func(copy.deepcopy(prompts))
         outputs = rollout_outputs(output, num_prompts=len(prompts), response_length=args.response_length,
-                                  vocab_size=vocab_size)
+                                  vocab_size=vocab_size())
         responses, response_mask, action_mask, sampler_logprobs = pad_episodes(outputs, tok.pad_token_id)
         queries, query_mask = padded_prompts(outputs.prompt_ids, tok.pad_token_id)
-        device = self.accelerator.device
         responses, response_mask, action_mask = responses.to(device), response_mask.to(device), action_mask.to(device)
         engine_logprobs = None
         if args.use_vllm:  # NaN where there is none (environment tokens count as none, and are never read)
@@ -257,8 +272,8 @@ class RolloutSampler:
             queries=queries.to(device), query_mask=query_mask.to(device), responses=responses,
             response_mask=response_mask, action_mask=action_mask,
             has_stop=episode_has_stop(responses, action_mask, self.stop_token_ids),
-            policy_version=policy.version, engine_logprobs=engine_logprobs, extras={**extras, **outputs.extra},
-        )
+            policy_version=policy_version, engine_logprobs=engine_logprobs, extras={**extras, **outputs.extra},
+        ), stats
 
     # ------------------------------------------------------------------ asynchronous rollouts
     def next_sample(self, feed: PromptFeed, policy: PolicySnapshot) -> SampledBatch:
@@ -268,11 +283,13 @@ class RolloutSampler:
         and starts the producer; every call reads prompts up to ``max_staleness`` batches ahead of
         this one from ``feed`` (on this thread) and waits for this batch. Batch ``i`` (counted in
         updates from the run's start, so a resumed run continues the numbering) is sampled at
-        version ``max(v0, i - max_staleness)``; its ``policy_version`` says which.
+        version ``max(v0, i - max_staleness)``; its ``policy_version`` says which. Episodes (a
+        ``rollout_func``, tools) are sampled whole on the producer's thread, every turn at that
+        version; the tool loop's counts of the batch are added to ``tool_stats`` here.
 
         Raises:
-            NotImplementedError: a ``rollout_func`` or tools (their turns call back into the
-                trainer), several processes, or an engine without a staged file push.
+            NotImplementedError: an engine without a staged file push; with several processes,
+                one that cannot follow the versions process 0 pushes (the ``"files"`` sync).
         """
         if self._producer is None:
             self._start_producer(feed, policy)
@@ -281,22 +298,43 @@ class RolloutSampler:
         item = self._producer.get()
         self._prompts.taken(item.index)
         self._producer_taken, self._last = item.index + 1, item
-        return _on_device(item.batch, self.accelerator.device)
+        sample, stats = item.batch
+        self.tool_stats = self.tool_stats + stats
+        return _on_device(sample, self.accelerator.device)
 
     def end_update(self, policy: PolicySnapshot, *, checkpoint: bool = False) -> None:
         """After an update: stage ``policy``'s weights as version ``policy.version`` and announce
         them, then release the versions no batch will ask for. ``checkpoint``: a checkpoint of this
         step is about to be written: the batches sampled ahead are discarded and sampled again
-        from these weights, which is what a run resumed from it does. No-op when synchronous."""
+        from these weights, which is what a run resumed from it does. No-op when synchronous.
+        Every process calls it (the trainer's thread): see :meth:`_push_version`."""
         if self._producer is None:
             return
-        with self._generating(policy.model) as module:
-            self.engine.stage_policy(module, policy.version)
+        self._push_version(policy)
         self._published = policy.version
         self._producer.publish(policy.version)
         self.engine.release_below(self._producer.needed_version())
         if checkpoint:
             self._producer.checkpoint()
+
+    def _push_version(self, policy: PolicySnapshot) -> None:
+        """Stage ``policy``'s weights as ``policy.version``. With several processes, process 0
+        pushes them to the one server (``engine.push_version``: written and loaded there), every
+        process waits for that push at a barrier, and the others then follow the version
+        (``engine.follow_version``): no producer asks for a version before it is on the server.
+        The barrier runs on the trainer's thread, between the trainer's own collectives; the
+        producer threads run none (they only send requests to the server), so no two collectives
+        of a process ever run at once. Under ZeRO-3 every process enters the gather."""
+        accelerator = self.accelerator
+        with self._generating(policy.model) as module:
+            if accelerator.num_processes == 1:
+                self.engine.stage_policy(module, policy.version)
+                return
+            if accelerator.is_main_process:
+                self.engine.push_version(module, policy.version)
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            self.engine.follow_version(policy.version)
 
     def async_state(self) -> dict[str, int]:
         """What a resumed sampler starts from: ``{"next_index", "version"}``. At a checkpoint
@@ -323,18 +361,6 @@ class RolloutSampler:
         return metrics
 
     def _start_producer(self, feed: PromptFeed, policy: PolicySnapshot) -> None:
-        if self.rollout_func is not None or self.agent_rollout is not None:
-            raise NotImplementedError(
-                f"max_staleness={self.args.max_staleness} samples single-turn batches on the vLLM server; a "
-                "rollout_func, tools or an environment_factory sample their turns through the trainer, which the "
-                "background thread does not call. Use max_staleness=0 for episodes with turns."
-            )
-        if self.accelerator.num_processes > 1:
-            raise NotImplementedError(
-                f"max_staleness={self.args.max_staleness} runs in one process for now (got "
-                f"{self.accelerator.num_processes}): each process would push its own versions to the one server. "
-                "Use max_staleness=0 with several processes."
-            )
         if self.engine is None:
             self.engine = self.engine_factory()
         if not hasattr(self.engine, "stage_policy"):
@@ -343,8 +369,18 @@ class RolloutSampler:
                 f"(server_weights.VLLMServerFileEngine), got {type(self.engine).__name__}; set "
                 "vllm_server_weight_sync='adapter' or 'files'."
             )
-        with self._generating(policy.model) as module:
-            self.engine.stage_policy(module, policy.version)
+        processes = self.accelerator.num_processes
+        if processes > 1 and not getattr(self.engine, "follows_versions", False):
+            raise NotImplementedError(
+                f"max_staleness={self.args.max_staleness} with {processes} processes needs a weight push that keeps "
+                "several versions on the server, which every process names (vllm_server_weight_sync='adapter': a "
+                "LoRA policy); the 'files' sync reloads one version in place, under the other processes' requests. "
+                "Use a LoRA policy with vllm_server_weight_sync='adapter', one process, or max_staleness=0."
+            )
+        if self.rollout_func is not None or self.agent_rollout is not None:
+            # read once here, on the trainer's thread: the producer's episodes check their ids against it
+            self._vocab_size = embedding_rows(self.accelerator.unwrap_model(policy.model).policy)
+        self._push_version(policy)
         self._published = self._producer_taken = policy.version
         self._prompts = ReadAheadPrompts(feed, first_index=policy.version)
         self._prompts.fill(upto=policy.version + self.args.max_staleness)  # before the thread asks for them
@@ -352,25 +388,41 @@ class RolloutSampler:
                                          next_index=policy.version, version=policy.version)
 
     @torch.no_grad()
-    def _sample_ahead(self, version: int, index: int) -> SampledBatch:
+    def _sample_ahead(self, version: int, index: int) -> tuple[SampledBatch, ToolLoopStats]:
         """Batch ``index`` sampled at policy ``version`` on the engine (the producer's thread): a
-        function of the two alone (the prompts of that index, request seeds from ``ahead_seed``).
-        Tensors stay on the CPU; :meth:`next_sample` moves them."""
+        function of the two alone (the prompts of that index, request seeds from ``ahead_seed``,
+        one stream for all the turns of an episode batch). Tensors stay on the CPU;
+        :meth:`next_sample` moves them. Episodes draw their environments from slot
+        ``1 + index % (max_staleness + 1)``: at most ``max_staleness + 1`` batches are alive at once
+        (the one the trainer scores, the ones queued or in flight after it), so none shares an
+        instance with another, nor with the trainer's own sampling (slot 0)."""
         args, pad_token_id = self.args, self.tokenizer.pad_token_id
         batch = self._prompts.batch(index)
-        queries, query_mask = prompt_tensors(batch, pad_token_id, "cpu")
-        temperature = effective_temperature(args.temperature)
-        settings = replace(self._settings(args.response_length, temperature), temperature=temperature)
         generator = torch.Generator().manual_seed(ahead_seed(args.seed, index, self.accelerator.process_index))
-        with self._engine_lock:
-            self.engine.use_version(version)
-            raw, engine_logprobs, sampled = sample_responses(self.engine, queries, query_mask, settings,
-                                                             pad_token_id, generator=generator)
+        if self.rollout_func is not None or self.agent_rollout is not None:
+            turn = TurnSettings(None, args.temperature, logprobs=True, weights_version=version, ahead=generator)
+            return self._episodes(batch, turn, "cpu", version, lambda: self._vocab_size,
+                                  slot=1 + index % (args.max_staleness + 1))
+        queries, query_mask = prompt_tensors(batch, pad_token_id, "cpu")
+        raw, engine_logprobs, sampled = self._sample_staged(queries, query_mask, args.temperature,
+                                                            args.response_length, version, generator)
         responses, mask, has_stop = finalize_responses(raw, self.stop_token_ids, pad_token_id, sampled)
         return SampledBatch(
             queries=queries, query_mask=query_mask, responses=responses, response_mask=mask, has_stop=has_stop,
             policy_version=version, engine_logprobs=engine_logprobs.masked_fill(~mask, 0.0), extras=_columns(batch),
-        )
+        ), ToolLoopStats()
+
+    def _sample_staged(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float, width: int,
+                       version: int, generator: torch.Generator):
+        """``(responses (B, width), engine_logprobs (B, width), sampled (B, width) bool)`` from the
+        engine at the staged ``version``, request seeds drawn from ``generator`` (the producer's
+        thread; the lock keeps the version switch and its requests together)."""
+        temperature = effective_temperature(temperature)
+        settings = replace(self._settings(width, temperature), temperature=temperature)
+        with self._engine_lock:
+            self.engine.use_version(version)
+            return sample_responses(self.engine, queries, query_mask, settings, self.tokenizer.pad_token_id,
+                                    generator=generator)
 
     # ------------------------------------------------------------------ turns
     @torch.no_grad()
@@ -394,7 +446,7 @@ class RolloutSampler:
             sampled (kept), at most that row's budget; and the sampler's log-prob of each new id at
             the sampling temperature (the policy's own where ``generate`` sampled).
         """
-        turn = self._episode
+        turn = getattr(self._local, "episode", None)  # this thread's episode (the producer's, or the trainer's)
         if turn is not None:
             turn = replace(turn, temperature=turn.temperature if temperature is None else temperature,
                            logprobs=turn.logprobs if logprobs is None else logprobs)
@@ -414,9 +466,14 @@ class RolloutSampler:
     def _continue(self, prefixes: list[list[int]], budgets: list[int], turn: TurnSettings):
         """:meth:`continue_prefixes` with the turn's settings given; ``budgets`` one per prefix."""
         pad_token_id = self.tokenizer.pad_token_id
-        queries, query_mask = (t.to(self.accelerator.device) for t in padded_prompts(prefixes, pad_token_id))
-        raw, engine_logprobs, sampled = self._sample_ids(turn.policy, queries, query_mask, turn.temperature,
-                                                         max(budgets), turn.weights_version)
+        device = "cpu" if turn.ahead is not None else self.accelerator.device
+        queries, query_mask = (t.to(device) for t in padded_prompts(prefixes, pad_token_id))
+        if turn.ahead is not None:  # the producer's thread: the staged version, the batch's seed stream
+            raw, engine_logprobs, sampled = self._sample_staged(queries, query_mask, turn.temperature, max(budgets),
+                                                                turn.weights_version, turn.ahead)
+        else:
+            raw, engine_logprobs, sampled = self._sample_ids(turn.policy, queries, query_mask, turn.temperature,
+                                                             max(budgets), turn.weights_version)
         responses, mask, _ = finalize_responses(raw, self.stop_token_ids, pad_token_id, sampled)
         if engine_logprobs is None and turn.logprobs:  # generate's sampler is the policy: its log-probs at T
             part = SampledBatch(queries=queries, query_mask=query_mask, responses=responses, response_mask=mask,
@@ -491,11 +548,11 @@ class RolloutSampler:
 
     @contextmanager
     def _in_episode(self, turn: TurnSettings) -> Iterator[TurnSettings]:
-        self._episode = turn
+        self._local.episode = turn
         try:
             yield turn
         finally:
-            self._episode = None
+            self._local.episode = None
 
 
 def ahead_seed(seed: int, index: int, process_index: int = 0) -> int:

@@ -232,3 +232,28 @@ def test_full_weights_are_written_whole_under_checkpoint_names(tmp_path):
     expected = dict(policy.named_parameters())
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], expected[k].detach()) for k in written)
+
+
+def test_process_0_loads_a_version_at_its_push_and_another_process_follows_it_by_name(tmp_path):
+    """``VLLMServerFileEngine.push_version`` is ``stage`` + ``load``, ``follow_version`` is ``follow``:
+    checked on the pushes (the engine itself waits for a server when built)."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_ppo_ext.generation.server_weights import AdapterFilePush
+
+    requests = []  # what each process sends the server, recorded instead of sent
+    lead, follower = (AdapterFilePush("http://127.0.0.1:9", "default", str(tmp_path / name)) for name in ("p0", "p1"))
+    for push in (lead, follower):
+        push._post = lambda path, payload, push=push: requests.append((push, path, payload["lora_name"]))
+    lora = get_peft_model(_tiny_policy(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lead.stage(lora, 3)
+    lead.load(3)  # loaded now, on the trainer's thread, before the others follow
+    assert requests == [(lead, "/v1/load_lora_adapter", "policy-v3")]
+    follower.follow(3)
+    assert follower.activate(3) == lead.activate(3) == "policy-v3"
+    assert len(requests) == 1  # the follower loads nothing; the lead's version was loaded already
+    follower.release(below=4)  # the follower forgets it; only process 0 unloads it
+    lead.release(below=4)
+    assert requests[1:] == [(lead, "/v1/unload_lora_adapter", "policy-v3")]
+    with pytest.raises(KeyError, match="never staged"):
+        follower.activate(3)  # released: no longer followed

@@ -264,13 +264,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def lora_server_command(folder: str, port: int) -> list:
+def lora_server_command(folder: str, port: int, max_model_len: int = 64) -> list:
     """vLLM's API server for the fp32 checkpoint ``folder`` on 127.0.0.1:``port``, loading LoRA
     adapters (rank <= 8, 3 at a time) and sampling with vLLM's own generation defaults."""
     import sys
 
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
             "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
             "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
 

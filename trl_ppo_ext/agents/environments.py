@@ -12,6 +12,9 @@ is a callable returning one, or a dict ``{name: factory}`` that each dataset row
   ``reset``, are construction errors too, naming the class.
 - Per batch every rollout takes its own instance (`Environments.draw`); the pool of each name
   grows only when a batch needs more instances than it holds ("construct once, reset often").
+  Batches that are alive at the same time (sampled ahead while an earlier one is scored, with
+  ``max_staleness > 0``) draw from pools of different ``slot``s, so that no instance is reset for
+  one batch while the rewards of another still read it; slot 0 is the synchronous loop's.
 - ``reset(**row)`` gets every dataset column; in dict mode without the ``environment`` column.
   A returned string is appended to the last user message of the rollout's prompt.
 - Each environment class that defines ``get_reward`` gives one reward function
@@ -117,12 +120,12 @@ class Environments:
             raise ValueError("environment_factory is an empty dict: give at least one {name: factory}")
         self.factories: dict[Any, Callable] = factories
         self.tools_of: dict[Any, list[Callable]] = {}  # name -> the probe's tool methods (for the schema)
-        self.pool: dict[Any, list] = {}
+        self.pools: dict[int, dict[Any, list]] = {0: {}}  # slot -> name -> instances (slot 0 holds the probes)
         self._reward_classes: list[type] = []  # classes with get_reward, each once, in factory order
         for name, factory in factories.items():
             probe = self._probe(name, factory, sample_row)
             self.tools_of[name] = environment_methods(probe)
-            self.pool[name] = [probe]
+            self.pools[0][name] = [probe]
             if "get_reward" in _class_functions(probe) and type(probe) not in self._reward_classes:
                 self._reward_classes.append(type(probe))
 
@@ -172,13 +175,21 @@ class Environments:
             )
         return names
 
-    def draw(self, names: Sequence) -> list:
-        """One instance per rollout from the pool of its name, creating instances only when a
-        batch needs more than the pool holds."""
+    @property
+    def pool(self) -> dict[Any, list]:
+        """Slot 0's pool, ``name -> instances`` (the probes and the synchronous loop's)."""
+        return self.pools[0]
+
+    def draw(self, names: Sequence, slot: int = 0) -> list:
+        """One instance per rollout from the pool of its name in ``slot``, creating instances only
+        when a batch needs more than that pool holds. Two batches drawn from different slots never
+        share an instance (each slot's pool is its own; one thread draws from a slot at a time)."""
+        # every name's list made at once: `retire`, on another thread, may iterate this dict meanwhile
+        pools = self.pools.setdefault(slot, {name: [] for name in self.factories})
         handed_out: dict[Any, int] = {}
         instances = []
         for name in names:
-            pool, index = self.pool[name], handed_out.get(name, 0)
+            pool, index = pools[name], handed_out.get(name, 0)
             if index == len(pool):
                 pool.append(self.factories[name]())
             handed_out[name] = index + 1
@@ -188,14 +199,15 @@ class Environments:
     def retire(self, environment) -> None:
         """Take ``environment`` out of its pool (a tool of it timed out and may still be running);
         a fresh instance replaces it when a batch needs one."""
-        for pool in self.pool.values():
-            for i, instance in enumerate(pool):
-                if instance is environment:
-                    del pool[i]
-                    return
+        for pools in list(self.pools.values()):
+            for pool in pools.values():
+                for i, instance in enumerate(pool):
+                    if instance is environment:
+                        del pool[i]
+                        return
 
-    def start_batch(self, rows: Sequence[Mapping], prompts: Sequence | None = None) -> EnvironmentBatch:
-        """Route, draw and reset: ``reset(**row)`` on each rollout's instance.
+    def start_batch(self, rows: Sequence[Mapping], prompts: Sequence | None = None, slot: int = 0) -> EnvironmentBatch:
+        """Route, draw (from ``slot``'s pool) and reset: ``reset(**row)`` on each rollout's instance.
 
         Args:
             rows: (B,) the batch's dataset rows, every column (``prompt`` included).
@@ -211,7 +223,7 @@ class Environments:
             RuntimeError: a ``reset`` that raises, naming the class and the row.
         """
         names = self.route(rows)
-        environments = self.draw(names)
+        environments = self.draw(names, slot)
         if prompts is None:
             prompts = [row.get("prompt") or [{"role": "user", "content": ""}] for row in rows]
         new_prompts = []

@@ -98,19 +98,25 @@ class AgentRollout:
         return [] if self.environments is None else self.environments.reward_functions()
 
     def __call__(self, rows: Sequence[Mapping], generate: Generate) -> dict:
-        """Roll out one batch.
+        """Roll out one batch (:meth:`run` in slot 0); `last_stats` holds the loop's counts."""
+        outputs, self.last_stats = self.run(rows, generate)
+        return outputs
+
+    def run(self, rows: Sequence[Mapping], generate: Generate, slot: int = 0) -> tuple[dict, ToolLoopStats]:
+        """Roll out one batch; safe to call from two threads at once with different ``slot``s.
 
         Args:
             rows: (B,) the batch's dataset rows with every column (``prompt`` a message list;
                 with environments it may be absent: an empty user message, ``reset`` gives the task).
             generate: the trainer's ``generate_continuations(prefixes, max_new_tokens)``.
+            slot: the environment pool the batch draws its instances from
+                (`environments.Environments.draw`): batches alive at the same time use different slots.
 
         Returns:
             The ``rollout_func`` dict: ``prompt_ids``, ``completion_ids``, ``logprobs``,
             ``env_mask``, ``completions``, ``prompts``, and ``environments`` and ``tool_timed_out``
             (``(B,)`` bool: a tool call of the rollout ran out of ``tool_timeout``, so its
-            environment rewards are None) when an ``environment_factory`` is set. `last_stats`
-            holds the loop's counts.
+            environment rewards are None) when an ``environment_factory`` is set; and the loop's counts.
 
         Raises:
             ValueError: a row whose prompt is not a message list.
@@ -127,7 +133,7 @@ class AgentRollout:
             tools = [self.tools] * len(rows)
             dicts = [tool_dict(self.tools) for _ in rows]
         else:
-            batch = self.environments.start_batch(rows)
+            batch = self.environments.start_batch(rows, slot=slot)
             environments, prompts = batch.environments, batch.prompts
             tools = [self.tools + self.environments.tools_of[name] for name in batch.names]
             dicts = [tool_dict(self.tools, environment_methods(env)) for env in environments]
@@ -136,7 +142,6 @@ class AgentRollout:
             response_length=self.response_length, tools=tools, tool_dicts=dicts, executor=self.executor,
             chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
             max_tool_calling_iterations=self.max_tool_calling_iterations, max_model_len=self.max_model_len)
-        self.last_stats = result.stats
         if environments is not None:
             for environment, timed_out in zip(environments, result.timed_out):
                 if timed_out:  # a thread of it may still be running: never reset it for another rollout
@@ -154,7 +159,7 @@ class AgentRollout:
                     "not called for them: they are unscorable for the environment rewards (None; counted in "
                     "tools/timed_out_frac). Raise tool_timeout, or make the tools return in time. Shown once.",
                     UserWarning, stacklevel=2)
-        return outputs
+        return outputs, result.stats
 
     def close(self) -> None:
         """Stop the tool event loop (a daemon thread; optional at exit)."""

@@ -115,6 +115,7 @@ class ToolExecutor:
         self._warned: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
 
     # ------------------------------------------------------------ the public step
     def execute(self, tool_calls: Sequence[Mapping], tools: Mapping[str, Callable]) -> ToolResults:
@@ -200,19 +201,21 @@ class ToolExecutor:
 
     # ------------------------------------------------------------ async calls, together
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            loop, ready = asyncio.new_event_loop(), threading.Event()
+        # two threads may run episodes at once (the rollout producer and the trainer's evaluation): one loop
+        with self._loop_lock:
+            if self._loop is None:
+                loop, ready = asyncio.new_event_loop(), threading.Event()
 
-            def run():
-                asyncio.set_event_loop(loop)
-                ready.set()
-                loop.run_forever()
+                def run():
+                    asyncio.set_event_loop(loop)
+                    ready.set()
+                    loop.run_forever()
 
-            self._loop_thread = threading.Thread(target=run, name="tool-event-loop", daemon=True)
-            self._loop_thread.start()
-            ready.wait()
-            self._loop = loop
-        return self._loop
+                self._loop_thread = threading.Thread(target=run, name="tool-event-loop", daemon=True)
+                self._loop_thread.start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
 
     def _run_async(self, pending: list) -> list[_Call]:
         timeout = self.tool_timeout

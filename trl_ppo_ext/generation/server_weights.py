@@ -117,6 +117,7 @@ class AdapterFilePush(_ServerFiles):
         super().__init__(base_url, folder, timeout=timeout, retries=retries, backoff=backoff)
         self.adapter = adapter
         self._loaded: set[int] = set()
+        self._followed: set[int] = set()  # versions another process staged and loaded (several processes)
 
     def stage(self, policy: nn.Module, version: int) -> str:
         """Write ``adapter`` of ``policy`` as it is now for ``version``; returns its folder."""
@@ -135,6 +136,20 @@ class AdapterFilePush(_ServerFiles):
 
     def activate(self, version: int) -> str:
         """Load ``version`` on the server if it is not there yet; the model name to request."""
+        with self._lock:
+            if version in self._followed:
+                return adapter_name(version)
+        self.load(version)
+        return adapter_name(version)
+
+    def follow(self, version: int) -> None:
+        """``version`` is on the server already, loaded by another process's push (process 0 of a
+        run with several processes): this one requests it by name and never unloads it."""
+        with self._lock:
+            self._followed.add(version)
+
+    def load(self, version: int) -> None:
+        """Load the staged ``version`` on the server if it is not there yet."""
         folder = self._staged_folder(version)
         with self._lock:
             loaded = version in self._loaded
@@ -144,12 +159,12 @@ class AdapterFilePush(_ServerFiles):
                        {"lora_name": adapter_name(version), "lora_path": folder, "load_inplace": True})
             with self._lock:
                 self._loaded.add(version)
-        return adapter_name(version)
 
     def release(self, below: int) -> None:
         with self._lock:
             old = sorted(v for v in self._loaded if v < below)
             self._loaded.difference_update(old)
+            self._followed.difference_update([v for v in self._followed if v < below])
         for version in old:
             try:
                 self._post("/v1/unload_lora_adapter", {"lora_name": adapter_name(version)})
@@ -266,6 +281,23 @@ class VLLMServerFileEngine(VLLMServerEngine):
     def stage_policy(self, policy: nn.Module, version: int) -> None:
         """Write ``policy``'s weights for ``version`` (the trainer's thread; nothing is sent)."""
         self.push.stage(policy, version)
+
+    @property
+    def follows_versions(self) -> bool:
+        """Whether the processes of a run other than process 0 can sample the versions process 0
+        pushes: several versions live on the server at once (the adapter sync). The files sync
+        reloads one version in place, under the requests of every process."""
+        return isinstance(self.push, AdapterFilePush)
+
+    def push_version(self, policy: nn.Module, version: int) -> None:
+        """Stage ``policy``'s weights for ``version`` and load them on the server now (process 0
+        of several, the trainer's thread: the others follow it once this returns)."""
+        self.push.stage(policy, version)
+        self.push.load(version)
+
+    def follow_version(self, version: int) -> None:
+        """Sample ``version``, which process 0 pushed (:meth:`push_version`), by its name."""
+        self.push.follow(version)
 
     def use_version(self, version: int) -> None:
         """Make the next requests sample from the staged ``version`` (the sampling thread)."""
