@@ -595,9 +595,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def generate_continuations(self, prefixes: list[list[int]], max_new_tokens: int | list[int],
                                temperature: float | None = None, *, logprobs: bool | None = None,
                                ) -> tuple[list[list[int]], list[list[float]]]:
-        """Continue token-id prefixes with the current policy, for a ``rollout_func``'s turns, on the run's
+        """Continue token-id prefixes with the rollout's policy, for a ``rollout_func``'s turns, on the run's
         engine (vLLM with ``use_vllm``, else transformers' ``generate``) at ``temperature`` (default: the
-        rollout's, ``args.temperature`` outside one), drawing from the run's RNG. ``logprobs``: False skips
+        rollout's, ``args.temperature`` outside one), drawing from the run's RNG (``max_staleness > 0``: on the
+        producer thread, at the batch's staged version, from the batch's seeds). ``logprobs``: False skips
         the policy forward that gives ``generate``'s log-probs (NaN then); None: the rollout's mode.
         Returns per row the new ids (through the first stop token) and their log-probs
         (``sampling.RolloutSampler.continue_prefixes``)."""
