@@ -159,7 +159,9 @@ BRANCH_AT = {"shared_branch_mid": 1 / 2, "shared_branch_3q": 3 / 4}
 NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
+CHUNK = MICRO  # local_rollout_forward_batch_size (--rollout-chunk): prompts per generate call and scoring chunk
 WORKLOAD = "fixed"  # --workload: "fixed" (random policies: rows rarely stop) or "early_stop"
+REWARD = "model"  # --reward: "model" (the random reward model) or "python" (cheap_reward, no reward model)
 # ours before trimming: every forward at prompt + response_length width, rows in rollout/shuffled order
 FULL_WIDTH = {"trim_forwards": False, "group_by_length_in_batches": False}
 LORA_R, LORA_ALPHA = 16, 32
@@ -411,12 +413,23 @@ def early_stop_workload(tokenizer, enabled: bool):
 
 
 # ---------------------------------------------------------------------------- set-up
+def cheap_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """``--reward python``: a reward computed in Python from the ids, no model (TRL's reward-function
+    signature): the completion's number of distinct token ids over 100."""
+    return [len(set(ids)) / 100 for ids in completion_ids]
+
+
+def reward_inputs() -> dict:
+    """What a trainer of ours gets besides the policy (``--reward``): the reward model, or the Python reward."""
+    return {"reward_model": None, "reward_funcs": [cheap_reward]} if REWARD == "python" else {}
+
+
 def config_kwargs(output_dir: str, updates: int, ppo_epochs: int, device: str = "cpu", bf16: bool = False) -> dict:
     """The PPO settings every contender gets (TRL's defaults otherwise, e.g. lr 3e-6)."""
     return dict(use_cpu=device == "cpu",
         output_dir=output_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=BATCH // MICRO,
         total_episodes=BATCH * (updates + 1), response_length=RESPONSE_LENGTH, num_ppo_epochs=ppo_epochs,
-        num_mini_batches=1, local_rollout_forward_batch_size=MICRO, stop_token="eos", missing_eos_penalty=None,
+        num_mini_batches=1, local_rollout_forward_batch_size=CHUNK, stop_token="eos", missing_eos_penalty=None,
         report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
         seed=SEED, bf16=bf16,
     )
@@ -474,8 +487,9 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     elif contender == "separate":
         cls = timed_ours_class()
         cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
+        rewards = reward_inputs() or {"reward_model": models.fresh("reward")}
         trainer = cls(args=PPOConfig(**cfg), model=models.fresh("policy"), ref_model=models.fresh("policy"),
-                      value_model=models.fresh("value"), reward_model=models.fresh("reward"), **common)
+                      value_model=models.fresh("value"), **rewards, **common)
     else:
         lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
@@ -488,8 +502,8 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         own_adapter = contender == "shared_vlora" or branch is not None
         model = SharedActorCritic(policy, lora_config=lora, with_value=config.trains_critic,
                                   value_lora_config=value_lora if own_adapter else None, value_branch_layer=branch)
-        trainer = cls(args=config, model=model, ref_model=None, value_model=None,
-                      reward_model=models.fresh("reward"), **common)
+        rewards = reward_inputs() or {"reward_model": models.fresh("reward")}
+        trainer = cls(args=config, model=model, ref_model=None, value_model=None, **rewards, **common)
     if scored and hasattr(trainer, "scoring"):  # code before the forward savings (which has no `scoring`) always scores
         from trl_ppo_ext.scoring_plan import ScoringPlan
 
@@ -529,9 +543,11 @@ def build_trl_grpo(tokenizer, dataset, models: PristineModels, cfg: dict, clock:
             clock.count_tokens(int(output["completion_mask"].sum()))
             return output
 
-    return TimedGRPOTrainer(model=models.fresh("policy"), reward_funcs=[models.fresh("reward")], args=config,
-                            train_dataset=prompts, processing_class=tokenizer, reward_processing_classes=[tokenizer],
-                            peft_config=lora, callbacks=[step_clock_callback(clock)])
+    rewards = ({"reward_funcs": [cheap_reward]} if REWARD == "python"
+               else {"reward_funcs": [models.fresh("reward")], "reward_processing_classes": [tokenizer]})
+    return TimedGRPOTrainer(model=models.fresh("policy"), args=config, train_dataset=prompts,
+                            processing_class=tokenizer, peft_config=lora, callbacks=[step_clock_callback(clock)],
+                            **rewards)
 
 
 def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates: int, args) -> dict:
@@ -613,7 +629,8 @@ def measure_flops(size: str, args, contenders) -> None:
     dataset = random_word_prompts(tokenizer, N_PROMPTS, *PROMPT_LENGTHS, seed=SEED)
     models = PristineModels(tokenizer, spec)
     print(f"\n== {size}: matmul GFLOP of one update (the second), B={BATCH} in micro-batches of {MICRO}, "
-          f"T={RESPONSE_LENGTH}, workload {WORKLOAD}, num_ppo_epochs={args.ppo_epochs} ==")
+          f"rollout chunks of {CHUNK}, "
+          f"T={RESPONSE_LENGTH}, workload {WORKLOAD}, reward {REWARD}, num_ppo_epochs={args.ppo_epochs} ==")
     print(f"{'contender':<18} | {'total':>8} | {'generate':>8} | {'score':>8} | {'update':>8} | total ratio")
     reference = None
     for contender in contenders:
@@ -707,8 +724,8 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
     eps = {c: median_of(results[c], episodes_per_second) for c in contenders}
     tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in contenders}
     ratios = {c: statistics.median(paired_ratios(results, c, ref, episodes_per_second)) for c in contenders}
-    print(f"\n== {size}: {param_counts}, B={BATCH} in micro-batches of {MICRO}, T={RESPONSE_LENGTH}, "
-          f"workload {WORKLOAD}, "
+    print(f"\n== {size}: {param_counts}, B={BATCH} in micro-batches of {MICRO}, "
+          f"rollout chunks of {CHUNK}, T={RESPONSE_LENGTH}, workload {WORKLOAD}, reward {REWARD}, "
           f"num_ppo_epochs={args.ppo_epochs}, {args.repeats} repeats x "
           f"{results[ref][0]['updates']} timed update(s) ==")
     print(f"{'contender':<18} | {'episodes/s':>10} | {'resp tok/s':>10} | {'s/update':>8} | "
@@ -799,7 +816,7 @@ def describe_machine(args) -> str:
 
 
 def main() -> None:
-    global BATCH, MICRO, RESPONSE_LENGTH, WORKLOAD, NUM_GENERATIONS
+    global BATCH, MICRO, CHUNK, RESPONSE_LENGTH, WORKLOAD, NUM_GENERATIONS, REWARD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None,
                         help="comma-separated: " + ", ".join(SIZES) + " (default tiny,100m; with --vllm, 100m)")
@@ -817,10 +834,15 @@ def main() -> None:
                         help="count each contender's matmul FLOPs per phase of one update instead of timing")
     parser.add_argument("--workload", choices=["fixed", "early_stop"], default="fixed",
                         help="early_stop: each response ends at a length drawn from 10%%-100%% of T")
+    parser.add_argument("--reward", choices=["model", "python"], default="model",
+                        help="python: every contender but upstream scores with cheap_reward, no reward model")
     parser.add_argument("--response-length", type=int, default=RESPONSE_LENGTH, help="T (default 32)")
     parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch B per update (default 4)")
     parser.add_argument("--micro", type=int, default=None,
                         help="per_device_train_batch_size (default B; gradient accumulation B // micro)")
+    parser.add_argument("--rollout-chunk", type=int, default=None,
+                        help="local_rollout_forward_batch_size: rows per generate call and scoring forward "
+                             "(default --micro; TRL GRPO generates the whole batch in one call)")
     parser.add_argument("--num-generations", type=int, default=NUM_GENERATIONS,
                         help="samples per prompt of the grpo arms (default 4)")
     parser.add_argument("--contenders", default=None,
@@ -836,8 +858,9 @@ def main() -> None:
         parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
     if args.repeats < 1 or (args.updates is not None and args.updates < 1):
         parser.error("--repeats and --updates must be >= 1")
-    BATCH, RESPONSE_LENGTH, WORKLOAD = args.batch, args.response_length, args.workload
+    BATCH, RESPONSE_LENGTH, WORKLOAD, REWARD = args.batch, args.response_length, args.workload, args.reward
     MICRO = args.micro or BATCH
+    CHUNK = args.rollout_chunk or MICRO
     NUM_GENERATIONS = args.num_generations
     if BATCH % MICRO:
         parser.error(f"--micro {MICRO} must divide --batch {BATCH}")
@@ -868,6 +891,9 @@ def main() -> None:
         if unknown or not chosen:
             parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
         contenders = tuple(c for c in CONTENDERS if c in chosen)
+    if REWARD == "python" and "upstream" in contenders:
+        parser.error("--reward python: TRL 1.12's PPO trainer needs a reward model; leave out upstream "
+                     "(--contenders)")
     if args.flops:
         for size in sizes:
             measure_flops(size, args, contenders)
