@@ -185,6 +185,7 @@ class Clock:
         self.intervals: list[tuple[str, float, float]] = []  # (phase, start, stop)
         self.tokens: list[tuple[float, int]] = []  # (stamp, valid response tokens generated)
         self.step_ends: list[float] = []
+        self.step_cpu_ends: list[float] = []  # time.process_time() at the same update ends
         self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def now(self) -> float:
@@ -221,6 +222,7 @@ class Clock:
         phases[remainder] += seconds - sum(phases[p] for p in TOP_PHASES)
         return {
             "seconds": seconds, "updates": updates, "episodes": updates * batch_size,
+            "cpu_seconds": self.step_cpu_ends[-1] - self.step_cpu_ends[0],
             "tokens": sum(n for stamp, n in self.tokens if begin <= stamp <= end),
             "phases": dict(phases),
         }
@@ -242,6 +244,7 @@ def step_clock_callback(clock: Clock):
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             clock.step_ends.append(clock.now())
+            clock.step_cpu_ends.append(time.process_time())
 
     return StepClock()
 
@@ -742,10 +745,37 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
               + ", ".join(f"{p:.2f}" for p in paired) + f" ({min(paired):.2f}-{max(paired):.2f})")
     print("episodes/s, s/update: medians over repeats; ratios: median over repeats of the ratio to "
           f"'{LABELS[ref]}' in the same repeat")
+    print_cpu_table(results, contenders, ref)
     print_phase_table(results)
     print_vllm_ratios(results)
     print_forward_savings(results)
     return ratios
+
+
+def episodes_per_cpu_second(s: dict) -> float:
+    return s["episodes"] / s["cpu_seconds"]
+
+
+def print_cpu_table(results: dict[str, list[dict]], contenders: tuple[str, ...], ref: str) -> None:
+    """Episodes per second of the process's own CPU time (``time.process_time``, every thread of it)
+    over the same timed updates: what a run costs the cores it ran on, much less moved than wall
+    time by other jobs time-sharing them (one thread pinned to one core: about the wall time of an
+    idle machine, less the time spent waiting for memory that other jobs' traffic adds)."""
+    print(f"\n{'contender':<18} | {'eps/CPU-s':>10} | {'CPU-s/upd':>9} | {'cpu/wall':>8} | {'ratio':>7} | "
+          "paired ratios (CPU time)")
+    for c in contenders:
+        paired = paired_ratios(results, c, ref, episodes_per_cpu_second)
+        share = median_of(results[c], lambda s: s["cpu_seconds"] / s["seconds"])
+        print(f"{LABELS[c]:<18} | {median_of(results[c], episodes_per_cpu_second):>10.3f} | "
+              f"{median_of(results[c], lambda s: s['cpu_seconds'] / s['updates']):>9.3f} | {share:>8.2f} | "
+              f"{statistics.median(paired):>6.2f}x | " + ", ".join(f"{p:.2f}" for p in paired))
+    print("eps/CPU-s: episodes per second of the process's CPU time (medians over repeats); cpu/wall: the "
+          "share of the wall time the process ran; ratios: to the same reference, paired per repeat")
+    if "trl_grpo" in results:
+        for c in (c for c in contenders if c != "trl_grpo"):
+            paired = paired_ratios(results, c, "trl_grpo", episodes_per_cpu_second)
+            print(f"CPU-time ratio {c}/trl_grpo: {statistics.median(paired):.2f} (paired "
+                  + ", ".join(f"{p:.2f}" for p in paired) + ")")
 
 
 def print_forward_savings(results: dict[str, list[dict]]) -> None:
