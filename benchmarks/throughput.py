@@ -80,6 +80,14 @@ launched, not for the ones still queued from the phase before.
 update per contender, split into generation, scoring and the PPO update, i.e. the work each
 trainer asks for whatever the machine's load.
 
+``--reward python``: every contender but upstream scores with ``cheap_reward`` (a reward computed
+from the completion ids in Python) instead of the reward model. ``--rollout-chunk`` sets
+``local_rollout_forward_batch_size`` (ours' rows per ``generate`` call and per scoring forward; default
+``--micro``): TRL GRPO generates the whole batch in one call, and on one CPU thread calls of a few rows cost
+several times the CPU of one call for the batch. Every table also reports episodes per second of the
+process's own CPU time (``time.process_time``) over the same timed updates, and with a ``trl_grpo`` arm
+the paired CPU-time ratios to it: on a machine that other jobs share they move far less than wall time.
+
 ``--threads`` defaults to 1 (CPU only): on a shared 2-core machine two intra-op threads
 oversubscribe the cores and made generation 5-8x slower in trials (100m: ~10 s with 1
 thread, 68-82 s with 2, at a load average of ~6).
