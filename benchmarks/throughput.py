@@ -40,6 +40,11 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
             the forward savings (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
             ``X / X_scored``, paired per repeat, is what the skipped forwards save; those ratios
             are printed as ``forward savings``.
+  shared_gen1, shared_vlora_kl0_gen1
+            ``shared`` / ``shared_vlora_kl0`` sampling the whole batch in one ``generate`` call while the
+            scoring forwards keep chunks of ``--rollout-chunk`` rows (the sampler gets its own copy of
+            the config with ``local_rollout_forward_batch_size=B``): what a generation call size apart
+            from the scoring chunk would give (not in the default run).
   trl_grpo  TRL 1.16's ``GRPOTrainer`` (TRL >= 1.13; not in the default run) on the same policy
             with the same LoRA, the same reward model (``reward_funcs=[model]``), the prompts as
             text, ``num_generations=4``, ``beta=0`` (its default: no reference), one optimizer
@@ -148,7 +153,8 @@ DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one war
 CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
               "shared_vlora", "separate_vllm", "shared_vllm", "shared_grpo", "shared_grpo_scored", "shared_kl0",
               "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "shared_branch_mid",
-              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo")
+              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo",
+              "shared_gen1", "shared_vlora_kl0_gen1")
 DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
                       "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
@@ -161,7 +167,8 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
           "shared_kl0_scored": "shared, kl 0, scored", "shared_vlora_kl0": "value LoRA, kl 0",
           "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "shared_branch_mid": "branch at 1/2",
           "shared_branch_mid_kl0": "branch 1/2, kl 0", "shared_branch_3q": "branch at 3/4",
-          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO"}
+          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO",
+          "shared_gen1": "shared, gen 1 call", "shared_vlora_kl0_gen1": "vLoRA kl0, gen 1 call"}
 # where the branch critic arms branch, as a fraction of the decoder's layers (value_branch_layer = int(N * f))
 BRANCH_AT = {"shared_branch_mid": 1 / 2, "shared_branch_3q": 3 / 4}
 NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
@@ -476,6 +483,8 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         trainer = build_trl_grpo(tokenizer, dataset, models, cfg, clock)
         trainer.remove_callback(PrinterCallback)
         return trainer
+    whole_batch_generation = contender.endswith("_gen1")
+    contender = contender.removesuffix("_gen1")
     if contender.endswith("_vllm"):
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender.endswith("_nockpt"):
@@ -519,6 +528,9 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         from trl_ppo_ext.scoring_plan import ScoringPlan
 
         trainer.scoring = ScoringPlan(reference=True, old_logprobs=True)
+    if whole_batch_generation:  # the sampler's own copy of the config: generate calls of the whole batch
+        trainer.sampler.args = copy.copy(trainer.args)
+        trainer.sampler.args.local_rollout_forward_batch_size = BATCH
     trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
     return trainer
 

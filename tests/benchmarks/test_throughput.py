@@ -58,3 +58,34 @@ def test_the_issue_shape_runs_with_a_python_reward_and_whole_batch_generation():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "B=16 in micro-batches of 4, rollout chunks of 16, T=64, workload early_stop, reward python" in proc.stdout
     assert re.search(r"throughput ratio trl_grpo/separate: \d", proc.stdout)
+
+
+def test_a_gen1_arm_samples_the_batch_in_one_call_and_scores_in_chunks(tmp_path, monkeypatch):
+    """``shared_gen1``: B=16 prompts in one ``generate`` call per update, while the trainer's scoring chunk
+    stays ``--rollout-chunk`` (4); ``shared`` samples them in calls of 4."""
+    from transformers import GenerationMixin
+
+    from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
+
+    module = _throughput_module()
+    module.BATCH, module.MICRO, module.CHUNK, module.RESPONSE_LENGTH, module.REWARD = 16, 4, 4, 8, "python"
+    spec = dict(module.SIZES["tiny"], max_position_embeddings=64)
+    tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
+    dataset = random_word_prompts(tokenizer, 32, 12, 12, seed=0)
+    models = module.PristineModels(tokenizer, spec)
+    rows_per_call = []
+    original = GenerationMixin.generate
+
+    def counting(self, *args, **kwargs):
+        rows_per_call.append(kwargs["input_ids"].shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counting)
+    seen = {}
+    for arm in ("shared", "shared_gen1"):
+        rows_per_call.clear()
+        trainer = module.build_trainer(arm, tokenizer, dataset, models, module.config_kwargs(str(tmp_path / arm), 1, 1),
+                                       module.Clock())
+        trainer.train()  # 2 updates
+        seen[arm] = (list(rows_per_call), trainer.args.local_rollout_forward_batch_size)
+    assert seen == {"shared": ([4] * 8, 4), "shared_gen1": ([16, 16], 4)}
