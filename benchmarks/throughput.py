@@ -40,6 +40,11 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
             the forward savings (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
             ``X / X_scored``, paired per repeat, is what the skipped forwards save; those ratios
             are printed as ``forward savings``.
+  shared_gen1, shared_vlora_kl0_gen1
+            ``shared`` / ``shared_vlora_kl0`` sampling the whole batch in one ``generate`` call while the
+            scoring forwards keep chunks of ``--rollout-chunk`` rows (the sampler gets its own copy of
+            the config with ``local_rollout_forward_batch_size=B``): what a generation call size apart
+            from the scoring chunk would give (not in the default run).
   trl_grpo  TRL 1.16's ``GRPOTrainer`` (TRL >= 1.13; not in the default run) on the same policy
             with the same LoRA, the same reward model (``reward_funcs=[model]``), the prompts as
             text, ``num_generations=4``, ``beta=0`` (its default: no reference), one optimizer
@@ -79,6 +84,14 @@ launched, not for the ones still queued from the phase before.
 ``--flops`` times nothing: it counts the matmul FLOPs (``torch.utils.flop_counter``) of one
 update per contender, split into generation, scoring and the PPO update, i.e. the work each
 trainer asks for whatever the machine's load.
+
+``--reward python``: every contender but upstream scores with ``cheap_reward`` (a reward computed
+from the completion ids in Python) instead of the reward model. ``--rollout-chunk`` sets
+``local_rollout_forward_batch_size`` (ours' rows per ``generate`` call and per scoring forward; default
+``--micro``): TRL GRPO generates the whole batch in one call, and on one CPU thread calls of a few rows cost
+several times the CPU of one call for the batch. Every table also reports episodes per second of the
+process's own CPU time (``time.process_time``) over the same timed updates, and with a ``trl_grpo`` arm
+the paired CPU-time ratios to it: on a machine that other jobs share they move far less than wall time.
 
 ``--threads`` defaults to 1 (CPU only): on a shared 2-core machine two intra-op threads
 oversubscribe the cores and made generation 5-8x slower in trials (100m: ~10 s with 1
@@ -140,7 +153,8 @@ DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one war
 CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
               "shared_vlora", "separate_vllm", "shared_vllm", "shared_grpo", "shared_grpo_scored", "shared_kl0",
               "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "shared_branch_mid",
-              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo")
+              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo",
+              "shared_gen1", "shared_vlora_kl0_gen1")
 DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
                       "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
@@ -153,13 +167,16 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
           "shared_kl0_scored": "shared, kl 0, scored", "shared_vlora_kl0": "value LoRA, kl 0",
           "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "shared_branch_mid": "branch at 1/2",
           "shared_branch_mid_kl0": "branch 1/2, kl 0", "shared_branch_3q": "branch at 3/4",
-          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO"}
+          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO",
+          "shared_gen1": "shared, gen 1 call", "shared_vlora_kl0_gen1": "vLoRA kl0, gen 1 call"}
 # where the branch critic arms branch, as a fraction of the decoder's layers (value_branch_layer = int(N * f))
 BRANCH_AT = {"shared_branch_mid": 1 / 2, "shared_branch_3q": 3 / 4}
 NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
+CHUNK = MICRO  # local_rollout_forward_batch_size (--rollout-chunk): prompts per generate call and scoring chunk
 WORKLOAD = "fixed"  # --workload: "fixed" (random policies: rows rarely stop) or "early_stop"
+REWARD = "model"  # --reward: "model" (the random reward model) or "python" (cheap_reward, no reward model)
 # ours before trimming: every forward at prompt + response_length width, rows in rollout/shuffled order
 FULL_WIDTH = {"trim_forwards": False, "group_by_length_in_batches": False}
 LORA_R, LORA_ALPHA = 16, 32
@@ -183,6 +200,7 @@ class Clock:
         self.intervals: list[tuple[str, float, float]] = []  # (phase, start, stop)
         self.tokens: list[tuple[float, int]] = []  # (stamp, valid response tokens generated)
         self.step_ends: list[float] = []
+        self.step_cpu_ends: list[float] = []  # time.process_time() at the same update ends
         self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def now(self) -> float:
@@ -219,6 +237,7 @@ class Clock:
         phases[remainder] += seconds - sum(phases[p] for p in TOP_PHASES)
         return {
             "seconds": seconds, "updates": updates, "episodes": updates * batch_size,
+            "cpu_seconds": self.step_cpu_ends[-1] - self.step_cpu_ends[0],
             "tokens": sum(n for stamp, n in self.tokens if begin <= stamp <= end),
             "phases": dict(phases),
         }
@@ -240,6 +259,7 @@ def step_clock_callback(clock: Clock):
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             clock.step_ends.append(clock.now())
+            clock.step_cpu_ends.append(time.process_time())
 
     return StepClock()
 
@@ -411,12 +431,23 @@ def early_stop_workload(tokenizer, enabled: bool):
 
 
 # ---------------------------------------------------------------------------- set-up
+def cheap_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """``--reward python``: a reward computed in Python from the ids, no model (TRL's reward-function
+    signature): the completion's number of distinct token ids over 100."""
+    return [len(set(ids)) / 100 for ids in completion_ids]
+
+
+def reward_inputs() -> dict:
+    """What a trainer of ours gets besides the policy (``--reward``): the reward model, or the Python reward."""
+    return {"reward_model": None, "reward_funcs": [cheap_reward]} if REWARD == "python" else {}
+
+
 def config_kwargs(output_dir: str, updates: int, ppo_epochs: int, device: str = "cpu", bf16: bool = False) -> dict:
     """The PPO settings every contender gets (TRL's defaults otherwise, e.g. lr 3e-6)."""
     return dict(use_cpu=device == "cpu",
         output_dir=output_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=BATCH // MICRO,
         total_episodes=BATCH * (updates + 1), response_length=RESPONSE_LENGTH, num_ppo_epochs=ppo_epochs,
-        num_mini_batches=1, local_rollout_forward_batch_size=MICRO, stop_token="eos", missing_eos_penalty=None,
+        num_mini_batches=1, local_rollout_forward_batch_size=CHUNK, stop_token="eos", missing_eos_penalty=None,
         report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
         seed=SEED, bf16=bf16,
     )
@@ -452,6 +483,8 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         trainer = build_trl_grpo(tokenizer, dataset, models, cfg, clock)
         trainer.remove_callback(PrinterCallback)
         return trainer
+    whole_batch_generation = contender.endswith("_gen1")
+    contender = contender.removesuffix("_gen1")
     if contender.endswith("_vllm"):
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender.endswith("_nockpt"):
@@ -474,8 +507,9 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
     elif contender == "separate":
         cls = timed_ours_class()
         cls.clock, cls.vllm_engine_kwargs = clock, engine_kwargs
+        rewards = reward_inputs() or {"reward_model": models.fresh("reward")}
         trainer = cls(args=PPOConfig(**cfg), model=models.fresh("policy"), ref_model=models.fresh("policy"),
-                      value_model=models.fresh("value"), reward_model=models.fresh("reward"), **common)
+                      value_model=models.fresh("value"), **rewards, **common)
     else:
         lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
@@ -488,12 +522,15 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         own_adapter = contender == "shared_vlora" or branch is not None
         model = SharedActorCritic(policy, lora_config=lora, with_value=config.trains_critic,
                                   value_lora_config=value_lora if own_adapter else None, value_branch_layer=branch)
-        trainer = cls(args=config, model=model, ref_model=None, value_model=None,
-                      reward_model=models.fresh("reward"), **common)
+        rewards = reward_inputs() or {"reward_model": models.fresh("reward")}
+        trainer = cls(args=config, model=model, ref_model=None, value_model=None, **rewards, **common)
     if scored and hasattr(trainer, "scoring"):  # code before the forward savings (which has no `scoring`) always scores
         from trl_ppo_ext.scoring_plan import ScoringPlan
 
         trainer.scoring = ScoringPlan(reference=True, old_logprobs=True)
+    if whole_batch_generation:  # the sampler's own copy of the config: generate calls of the whole batch
+        trainer.sampler.args = copy.copy(trainer.args)
+        trainer.sampler.args.local_rollout_forward_batch_size = BATCH
     trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
     return trainer
 
@@ -529,9 +566,11 @@ def build_trl_grpo(tokenizer, dataset, models: PristineModels, cfg: dict, clock:
             clock.count_tokens(int(output["completion_mask"].sum()))
             return output
 
-    return TimedGRPOTrainer(model=models.fresh("policy"), reward_funcs=[models.fresh("reward")], args=config,
-                            train_dataset=prompts, processing_class=tokenizer, reward_processing_classes=[tokenizer],
-                            peft_config=lora, callbacks=[step_clock_callback(clock)])
+    rewards = ({"reward_funcs": [cheap_reward]} if REWARD == "python"
+               else {"reward_funcs": [models.fresh("reward")], "reward_processing_classes": [tokenizer]})
+    return TimedGRPOTrainer(model=models.fresh("policy"), args=config, train_dataset=prompts,
+                            processing_class=tokenizer, peft_config=lora, callbacks=[step_clock_callback(clock)],
+                            **rewards)
 
 
 def run_once(contender: str, tokenizer, dataset, models: PristineModels, updates: int, args) -> dict:
@@ -613,7 +652,8 @@ def measure_flops(size: str, args, contenders) -> None:
     dataset = random_word_prompts(tokenizer, N_PROMPTS, *PROMPT_LENGTHS, seed=SEED)
     models = PristineModels(tokenizer, spec)
     print(f"\n== {size}: matmul GFLOP of one update (the second), B={BATCH} in micro-batches of {MICRO}, "
-          f"T={RESPONSE_LENGTH}, workload {WORKLOAD}, num_ppo_epochs={args.ppo_epochs} ==")
+          f"rollout chunks of {CHUNK}, "
+          f"T={RESPONSE_LENGTH}, workload {WORKLOAD}, reward {REWARD}, num_ppo_epochs={args.ppo_epochs} ==")
     print(f"{'contender':<18} | {'total':>8} | {'generate':>8} | {'score':>8} | {'update':>8} | total ratio")
     reference = None
     for contender in contenders:
@@ -707,8 +747,8 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
     eps = {c: median_of(results[c], episodes_per_second) for c in contenders}
     tps = {c: median_of(results[c], lambda s: s["tokens"] / s["seconds"]) for c in contenders}
     ratios = {c: statistics.median(paired_ratios(results, c, ref, episodes_per_second)) for c in contenders}
-    print(f"\n== {size}: {param_counts}, B={BATCH} in micro-batches of {MICRO}, T={RESPONSE_LENGTH}, "
-          f"workload {WORKLOAD}, "
+    print(f"\n== {size}: {param_counts}, B={BATCH} in micro-batches of {MICRO}, "
+          f"rollout chunks of {CHUNK}, T={RESPONSE_LENGTH}, workload {WORKLOAD}, reward {REWARD}, "
           f"num_ppo_epochs={args.ppo_epochs}, {args.repeats} repeats x "
           f"{results[ref][0]['updates']} timed update(s) ==")
     print(f"{'contender':<18} | {'episodes/s':>10} | {'resp tok/s':>10} | {'s/update':>8} | "
@@ -725,10 +765,37 @@ def print_size_table(size: str, results: dict[str, list[dict]], args, param_coun
               + ", ".join(f"{p:.2f}" for p in paired) + f" ({min(paired):.2f}-{max(paired):.2f})")
     print("episodes/s, s/update: medians over repeats; ratios: median over repeats of the ratio to "
           f"'{LABELS[ref]}' in the same repeat")
+    print_cpu_table(results, contenders, ref)
     print_phase_table(results)
     print_vllm_ratios(results)
     print_forward_savings(results)
     return ratios
+
+
+def episodes_per_cpu_second(s: dict) -> float:
+    return s["episodes"] / s["cpu_seconds"]
+
+
+def print_cpu_table(results: dict[str, list[dict]], contenders: tuple[str, ...], ref: str) -> None:
+    """Episodes per second of the process's own CPU time (``time.process_time``, every thread of it)
+    over the same timed updates: what a run costs the cores it ran on, much less moved than wall
+    time by other jobs time-sharing them (one thread pinned to one core: about the wall time of an
+    idle machine, less the time spent waiting for memory that other jobs' traffic adds)."""
+    print(f"\n{'contender':<18} | {'eps/CPU-s':>10} | {'CPU-s/upd':>9} | {'cpu/wall':>8} | {'ratio':>7} | "
+          "paired ratios (CPU time)")
+    for c in contenders:
+        paired = paired_ratios(results, c, ref, episodes_per_cpu_second)
+        share = median_of(results[c], lambda s: s["cpu_seconds"] / s["seconds"])
+        print(f"{LABELS[c]:<18} | {median_of(results[c], episodes_per_cpu_second):>10.3f} | "
+              f"{median_of(results[c], lambda s: s['cpu_seconds'] / s['updates']):>9.3f} | {share:>8.2f} | "
+              f"{statistics.median(paired):>6.2f}x | " + ", ".join(f"{p:.2f}" for p in paired))
+    print("eps/CPU-s: episodes per second of the process's CPU time (medians over repeats); cpu/wall: the "
+          "share of the wall time the process ran; ratios: to the same reference, paired per repeat")
+    if "trl_grpo" in results:
+        for c in (c for c in contenders if c != "trl_grpo"):
+            paired = paired_ratios(results, c, "trl_grpo", episodes_per_cpu_second)
+            print(f"CPU-time ratio {c}/trl_grpo: {statistics.median(paired):.2f} (paired "
+                  + ", ".join(f"{p:.2f}" for p in paired) + ")")
 
 
 def print_forward_savings(results: dict[str, list[dict]]) -> None:
@@ -799,7 +866,7 @@ def describe_machine(args) -> str:
 
 
 def main() -> None:
-    global BATCH, MICRO, RESPONSE_LENGTH, WORKLOAD, NUM_GENERATIONS
+    global BATCH, MICRO, CHUNK, RESPONSE_LENGTH, WORKLOAD, NUM_GENERATIONS, REWARD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None,
                         help="comma-separated: " + ", ".join(SIZES) + " (default tiny,100m; with --vllm, 100m)")
@@ -817,10 +884,15 @@ def main() -> None:
                         help="count each contender's matmul FLOPs per phase of one update instead of timing")
     parser.add_argument("--workload", choices=["fixed", "early_stop"], default="fixed",
                         help="early_stop: each response ends at a length drawn from 10%%-100%% of T")
+    parser.add_argument("--reward", choices=["model", "python"], default="model",
+                        help="python: every contender but upstream scores with cheap_reward, no reward model")
     parser.add_argument("--response-length", type=int, default=RESPONSE_LENGTH, help="T (default 32)")
     parser.add_argument("--batch", type=int, default=BATCH, help="rollout batch B per update (default 4)")
     parser.add_argument("--micro", type=int, default=None,
                         help="per_device_train_batch_size (default B; gradient accumulation B // micro)")
+    parser.add_argument("--rollout-chunk", type=int, default=None,
+                        help="local_rollout_forward_batch_size: rows per generate call and scoring forward "
+                             "(default --micro; TRL GRPO generates the whole batch in one call)")
     parser.add_argument("--num-generations", type=int, default=NUM_GENERATIONS,
                         help="samples per prompt of the grpo arms (default 4)")
     parser.add_argument("--contenders", default=None,
@@ -836,8 +908,9 @@ def main() -> None:
         parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
     if args.repeats < 1 or (args.updates is not None and args.updates < 1):
         parser.error("--repeats and --updates must be >= 1")
-    BATCH, RESPONSE_LENGTH, WORKLOAD = args.batch, args.response_length, args.workload
+    BATCH, RESPONSE_LENGTH, WORKLOAD, REWARD = args.batch, args.response_length, args.workload, args.reward
     MICRO = args.micro or BATCH
+    CHUNK = args.rollout_chunk or MICRO
     NUM_GENERATIONS = args.num_generations
     if BATCH % MICRO:
         parser.error(f"--micro {MICRO} must divide --batch {BATCH}")
@@ -868,6 +941,9 @@ def main() -> None:
         if unknown or not chosen:
             parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
         contenders = tuple(c for c in CONTENDERS if c in chosen)
+    if REWARD == "python" and "upstream" in contenders:
+        parser.error("--reward python: TRL 1.12's PPO trainer needs a reward model; leave out upstream "
+                     "(--contenders)")
     if args.flops:
         for size in sizes:
             measure_flops(size, args, contenders)

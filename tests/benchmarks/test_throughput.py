@@ -2,6 +2,7 @@
 shadows it (the update's gradient clipping moved once and the benchmark broke without a test), and
 it prints a ratio per contender. Figures are printed, never asserted."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,3 +27,65 @@ def test_the_tiny_run_times_every_phase_of_each_contender():
     assert len(phases) == len(contenders)  # backward, clipping and the step timed for each
     for name in contenders[1:]:  # against ours with separate models, or TRL's PPO trainer where it has one
         assert re.search(rf"throughput ratio {name}/(separate|upstream): \d", proc.stdout), name
+
+
+def _throughput_module():
+    spec = importlib.util.spec_from_file_location("throughput_under_test", ROOT / "benchmarks" / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_python_reward_counts_distinct_ids_and_replaces_the_reward_model():
+    module = _throughput_module()
+    # [5, 5, 7]: 2 distinct ids -> 0.02; [9]: 1 -> 0.01; []: 0
+    assert module.cheap_reward(["p"] * 3, ["c"] * 3, [[5, 5, 7], [9], []]) == [0.02, 0.01, 0.0]
+    assert module.reward_inputs() == {}  # --reward model: the caller passes the reward model
+    module.REWARD = "python"
+    assert module.reward_inputs() == {"reward_model": None, "reward_funcs": [module.cheap_reward]}
+
+
+@pytest.mark.slow
+def test_the_issue_shape_runs_with_a_python_reward_and_whole_batch_generation():
+    """B=16 in micro-batches of 4, T=64, early stop, one generate call for the batch (``--rollout-chunk 16``),
+    the Python reward: ours' grpo arm and TRL's GRPO, with the shape in the table's title."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--sizes", "tiny", "--repeats", "1",
+         "--updates", "1", "--batch", "16", "--micro", "4", "--rollout-chunk", "16", "--response-length", "64",
+         "--workload", "early_stop", "--reward", "python", "--contenders", "shared_grpo,trl_grpo"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "B=16 in micro-batches of 4, rollout chunks of 16, T=64, workload early_stop, reward python" in proc.stdout
+    assert re.search(r"throughput ratio trl_grpo/separate: \d", proc.stdout)
+
+
+def test_a_gen1_arm_samples_the_batch_in_one_call_and_scores_in_chunks(tmp_path, monkeypatch):
+    """``shared_gen1``: B=16 prompts in one ``generate`` call per update, while the trainer's scoring chunk
+    stays ``--rollout-chunk`` (4); ``shared`` samples them in calls of 4."""
+    from transformers import GenerationMixin
+
+    from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
+
+    module = _throughput_module()
+    module.BATCH, module.MICRO, module.CHUNK, module.RESPONSE_LENGTH, module.REWARD = 16, 4, 4, 8, "python"
+    spec = dict(module.SIZES["tiny"], max_position_embeddings=64)
+    tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
+    dataset = random_word_prompts(tokenizer, 32, 12, 12, seed=0)
+    models = module.PristineModels(tokenizer, spec)
+    rows_per_call = []
+    original = GenerationMixin.generate
+
+    def counting(self, *args, **kwargs):
+        rows_per_call.append(kwargs["input_ids"].shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counting)
+    seen = {}
+    for arm in ("shared", "shared_gen1"):
+        rows_per_call.clear()
+        trainer = module.build_trainer(arm, tokenizer, dataset, models, module.config_kwargs(str(tmp_path / arm), 1, 1),
+                                       module.Clock())
+        trainer.train()  # 2 updates
+        seen[arm] = (list(rows_per_call), trainer.args.local_rollout_forward_batch_size)
+    assert seen == {"shared": ([4] * 8, 4), "shared_gen1": ([16, 16], 4)}
