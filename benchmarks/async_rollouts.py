@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TRL_EXPERIMENTAL_SILENCE", "1"), ("OMP_NUM_THREADS", "1"),
                       ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -70,24 +71,25 @@ ARMS = {
     "s2_tis": dict(max_staleness=2, off_policy_correction="tis"),
     "s2_decoupled": dict(max_staleness=2, off_policy_correction="decoupled"),
 }
-SHAPE = dict(hidden_size=128, num_layers=4, num_heads=2, intermediate_size=512, max_position_embeddings=128)
-TARGET_WORD = "w3"
+SHAPE = dict(hidden_size=128, num_layers=4, num_heads=2, intermediate_size=512, max_position_embeddings=160)
 WORDS = 8
 LORA_RANK = 8
 REWARD_KEY = "rewards/target_share/mean"
+WARM_UP_SEED = 1000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
+    p.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="comma-separated training seeds")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms among {', '.join(ARMS)}")
     p.add_argument("--updates", type=int, default=12, help="PPO updates per run (the first is a warm-up)")
-    p.add_argument("--batch", type=int, default=8, help="episodes per update")
+    p.add_argument("--batch", type=int, default=16, help="episodes per update")
     p.add_argument("--response-length", type=int, default=64)
-    p.add_argument("--ppo-epochs", type=int, default=2)
-    p.add_argument("--learning-rate", type=float, default=3e-2)
-    p.add_argument("--threshold", type=float, default=0.2, help="reward of the time-to-threshold column")
+    p.add_argument("--ppo-epochs", type=int, default=4)
+    p.add_argument("--learning-rate", type=float, default=1e-2)
+    p.add_argument("--kl-coef", type=float, default=0.01, help="PPOConfig.kl_coef (TRL's default: 0.05)")
+    p.add_argument("--threshold", type=float, default=0.6, help="reward of the time-to-threshold column")
     p.add_argument("--final-window", type=int, default=3, help="updates averaged into the final reward")
     p.add_argument("--cores", default="0,1", help="the trainer's core, the server's core")
     p.add_argument("--plot", default=None, help="write the reward curves to this PNG (needs matplotlib)")
@@ -116,9 +118,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------- the task
 
 def tokenizer():
+    """The tiny word tokenizer with no EOS: ``stop_token=None`` then stops nowhere (TRL's rule: the
+    checkpoint's and the tokenizer's EOS, here neither), so every response has ``response_length``
+    tokens and the server samples all of them. ``<eos>`` stays in the vocabulary as a plain token."""
     from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words
 
-    return build_tiny_tokenizer(default_words(WORDS), pad_equals_eos=True)
+    tok = build_tiny_tokenizer(default_words(WORDS))
+    tok.eos_token = None
+    return tok
+
+
+def target_ids(tok) -> frozenset[int]:
+    """The upper half of the vocabulary (ids ``V//2 .. V-1``: words only): the tokens the reward counts."""
+    return frozenset(range(len(tok) // 2, len(tok)))
 
 
 def base_policy(tok):
@@ -127,12 +139,14 @@ def base_policy(tok):
     return build_tiny_causal_lm(tok, seed=0, **SHAPE)
 
 
-def target_share_reward(target_id: int, response_length: int):
-    """The share of the ``response_length`` positions holding ``target_id``: a response that stops
-    early leaves the rest of its positions at 0."""
+def target_share_reward(targets: frozenset[int], response_length: int):
+    """Per token (a dense list, ``rewards.scoring.token_rewards``): ``1 / response_length`` on each
+    response token of ``targets``, 0 elsewhere, so a completion's rewards sum to the share of its
+    ``response_length`` positions that hold a target token; each token's reward is its own
+    (no credit to assign across the response)."""
 
     def target_share(completion_ids, **kwargs):
-        return [sum(int(t) == target_id for t in ids) / response_length for ids in completion_ids]
+        return [[float(int(t) in targets) / response_length for t in ids] for ids in completion_ids]
 
     return target_share
 
@@ -141,16 +155,42 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
-def time_to_threshold(times: list[float], rewards: list[float], threshold: float, window: int) -> float | None:
-    for t, r in zip(times, trailing_mean(rewards, window)):
+def first_reaching(rewards: list[float], threshold: float, window: int) -> int | None:
+    """The index of the first update whose trailing mean reward over ``window`` updates reaches
+    ``threshold``; None where none does."""
+    for i, r in enumerate(trailing_mean(rewards, window)):
         if r >= threshold:
-            return t
+            return i
     return None
+
+
+def time_to_threshold(times: list[float], rewards: list[float], threshold: float, window: int) -> float | None:
+    """The wall time at the end of :func:`first_reaching`'s update (None where no update reaches it)."""
+    i = first_reaching(rewards, threshold, window)
+    return None if i is None else times[i]
+
+
+def episodes_to_threshold(rewards: list[float], batch: int, threshold: float, window: int) -> int | None:
+    """The episodes trained on by the end of :func:`first_reaching`'s update (None where none reaches it)."""
+    i = first_reaching(rewards, threshold, window)
+    return None if i is None else batch * (i + 1)
 
 
 def episodes_per_second(times: list[float], batch: int) -> float:
     """Episodes per second of the updates after the first (``times``: wall time at each update's end)."""
     return batch * (len(times) - 1) / (times[-1] - times[0])
+
+
+def seconds_per_update(times: list[float]) -> float:
+    """Wall seconds per update after the first (``times``: wall time at each update's end)."""
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def mean_wait(run: dict) -> float | None:
+    """Mean seconds the trainer waited for a rollout per update after the first (the producer's
+    ``async/wait_for_rollout_s``; None for the synchronous loop, which logs none)."""
+    waits = [w for w in run["wait_for_rollout_s"][1:] if w is not None]
+    return statistics.fmean(waits) if waits else None
 
 
 # ---------------------------------------------------------------------- the server
@@ -200,6 +240,27 @@ def stop_server(process) -> None:
 
 # ---------------------------------------------------------------------- one run
 
+@contextmanager
+def timed_generate(engine_class):
+    """Wall seconds of every ``engine_class.generate`` call made inside the block (one call per
+    batch: the server sampling it, plus HTTP), appended to the list this yields; the class is
+    restored on exit."""
+    original, seconds = engine_class.generate, []
+
+    def generate(engine, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(engine, *args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    engine_class.generate = generate
+    try:
+        yield seconds
+    finally:
+        engine_class.generate = original
+
+
 def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
     """One training run of ``arm``: per update its wall time (from ``on_train_begin``) and reward."""
     import torch
@@ -207,6 +268,7 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
     from transformers import TrainerCallback
 
     from trl_ppo_ext import PPOConfig, PPOTrainer
+    from trl_ppo_ext.generation.vllm_server import VLLMServerEngine
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
     from trl_ppo_ext.tiny import random_word_prompts
 
@@ -222,7 +284,8 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
         output_dir=os.path.join(root, f"{arm}-{seed}"), per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1, total_episodes=args.batch * args.updates, response_length=args.response_length,
         num_ppo_epochs=args.ppo_epochs, num_mini_batches=1, local_rollout_forward_batch_size=args.batch,
-        learning_rate=args.learning_rate, temperature=1.0, stop_token=None, seed=seed, bf16=False, use_cpu=True,
+        learning_rate=args.learning_rate, kl_coef=args.kl_coef, temperature=1.0, stop_token=None, seed=seed,
+        bf16=False, use_cpu=True,
         report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
         use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=240, **settings)
 
@@ -237,16 +300,18 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     clock = Clock()
-    reward = target_share_reward(tok.convert_tokens_to_ids(TARGET_WORD), args.response_length)
+    reward = target_share_reward(target_ids(tok), args.response_length)
     trainer = PPOTrainer(args=config, processing_class=tok, model=model, ref_model=None, reward_model=None,
                          reward_funcs=[reward], train_dataset=random_word_prompts(tok, 64, 2, 5, seed),
                          callbacks=[clock])
-    trainer.train()
+    with timed_generate(VLLMServerEngine) as generate_s:
+        trainer.train()
     logs = [h for h in trainer.state.log_history if REWARD_KEY in h]
     if len(logs) != args.updates or len(clock.times) != args.updates:
         raise RuntimeError(f"{arm} seed {seed}: {len(logs)} logged updates, {len(clock.times)} timed, "
                            f"expected {args.updates}")
     return {"arm": arm, "seed": seed, "times": clock.times, "rewards": [h[REWARD_KEY] for h in logs],
+            "generate_s": generate_s, "response_length": [h.get("val/response_length") for h in logs],
             "staleness": [h.get("async/staleness", 0.0) for h in logs],
             "wait_for_rollout_s": [h.get("async/wait_for_rollout_s") for h in logs],
             "capped_frac": [h.get("off_policy/capped_frac") for h in logs]}
@@ -254,7 +319,16 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
 
 # ---------------------------------------------------------------------- report
 
+def _median_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def summarise(runs: list[dict], args) -> list[dict]:
+    """One row per arm over its seeds: median episodes/s; the median (min, max) over seeds of its
+    episodes/s over the same seed's ``sync`` run's; final reward mean and sample std; the median
+    wall seconds and episodes to the threshold over the seeds that reach it, and how many do; the
+    median wall seconds of a run, seconds per update and seconds the server took per batch."""
     by = {(r["arm"], r["seed"]): r for r in runs}
     rows = []
     for arm in args.arms:
@@ -266,33 +340,55 @@ def summarise(runs: list[dict], args) -> list[dict]:
                                                                                      args.batch)
                   for r in mine if ("sync", r["seed"]) in by]
         finals = [statistics.fmean(r["rewards"][-args.final_window:]) for r in mine]
-        reach = [time_to_threshold(r["times"], r["rewards"], args.threshold, args.final_window) for r in mine]
-        reached = [t for t in reach if t is not None]
+        seconds = [time_to_threshold(r["times"], r["rewards"], args.threshold, args.final_window) for r in mine]
+        episodes = [episodes_to_threshold(r["rewards"], args.batch, args.threshold, args.final_window) for r in mine]
         rows.append({
             "arm": arm, "seeds": len(mine), "episodes_per_s": statistics.median(eps),
             "ratio": statistics.median(ratios) if ratios else None,
             "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None,
             "final_mean": statistics.fmean(finals), "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "to_threshold_s": statistics.median(reached) if reached else None, "reached": len(reached),
+            "to_threshold_s": _median_or_none(seconds), "to_threshold_episodes": _median_or_none(episodes),
+            "reached": sum(t is not None for t in seconds),
             "wall_s": statistics.median(r["times"][-1] for r in mine),
+            "update_s": statistics.median(seconds_per_update(r["times"]) for r in mine),
+            "generate_s": statistics.median(statistics.median(r["generate_s"]) for r in mine)
+            if all(r.get("generate_s") for r in mine) else None,
         })
     return rows
 
 
-def print_table(rows: list[dict], args) -> None:
-    print(f"\n{'arm':<14}{'seeds':>6}{'ep/s':>8}{'x sync':>8}{'(min-max)':>13}{'final reward':>18}"
-          f"{f'to {args.threshold:g} (s)':>14}{'wall (s)':>10}")
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def table_lines(rows: list[dict], args) -> list[str]:
+    """The summary as a Markdown table (the one docs/benchmarks.md shows)."""
+    lines = [f"| arm | episodes/s | x sync, median (range) | final reward (last {args.final_window}) | "
+             f"episodes to {args.threshold:g} (reached) | seconds to {args.threshold:g} | s/update | "
+             "server s/batch | wall (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-        spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if r["ratio"] is not None else "-"
-        reach = f"{r['to_threshold_s']:.1f} ({r['reached']}/{r['seeds']})" if r["to_threshold_s"] is not None else "-"
-        print(f"{r['arm']:<14}{r['seeds']:>6}{r['episodes_per_s']:>8.2f}{ratio:>8}{spread:>13}"
-              f"{r['final_mean']:>11.3f} ± {r['final_std']:.3f}{reach:>14}{r['wall_s']:>10.1f}")
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+        lines.append(
+            f"| {r['arm']} | {r['episodes_per_s']:.2f} | {ratio} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | "
+            f"{_fmt(r['to_threshold_episodes'], '.0f', 'never')} ({r['reached']}/{r['seeds']}) | "
+            f"{_fmt(r['to_threshold_s'], '.1f', 'never')} | {r['update_s']:.2f} | {_fmt(r['generate_s'], '.2f')} | "
+            f"{r['wall_s']:.1f} |")
+    return lines
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """Per arm: its median episodes/s over sync's, and whether its final reward mean lies within one
+    sample std (over seeds) of sync's."""
     sync = next(r for r in rows if r["arm"] == "sync")
+    out = []
     for r in rows:
         if r["arm"] != "sync":
             within = abs(r["final_mean"] - sync["final_mean"]) <= sync["final_std"]
-            print(f"episodes/s {r['arm']}/sync: {r['ratio']:.2f}; final reward within one std of sync's: {within}")
+            out.append(f"{r['arm']}: {_fmt(r['ratio'], '.2f')}x sync's episodes/s; final reward "
+                       f"{r['final_mean'] - sync['final_mean']:+.3f} from sync's (one std: {sync['final_std']:.3f}): "
+                       f"{'within' if within else 'outside'}")
+    return out
 
 
 def plot(runs: list[dict], args, path: str) -> None:
@@ -316,7 +412,7 @@ def plot(runs: list[dict], args, path: str) -> None:
     by_time.set_xlabel("wall time (s, mean over seeds)")
     by_episode.set_xlabel("episodes")
     for ax in (by_time, by_episode):
-        ax.set_ylabel(f"reward (share of {TARGET_WORD}, mean over seeds)")
+        ax.set_ylabel("reward (share of target tokens, mean over seeds)")
         ax.axhline(args.threshold, color="grey", linewidth=0.5)
         ax.grid(alpha=0.3)
     by_episode.legend()
@@ -343,20 +439,29 @@ def main(argv=None) -> None:
         print(f"server up in {time.perf_counter() - started:.1f} s at {url} (core {args.server_core}); "
               f"trainer on core {args.trainer_core}")
         try:
+            # The server's first adapter and first batches take ~15 s more than later ones: a short
+            # discarded run takes that cost, so the first timed run of the series does not.
+            started = time.perf_counter()
+            run_arm("sync", WARM_UP_SEED, url, argparse.Namespace(**{**vars(args), "updates": 2}), root)
+            print(f"warm-up run (discarded): {time.perf_counter() - started:.1f} s", flush=True)
             for i, seed in enumerate(args.seeds):
                 shift = i % len(args.arms)
                 for arm in args.arms[shift:] + args.arms[:shift]:
                     run = run_arm(arm, seed, url, args, root)
                     runs.append(run)
                     print(f"seed {seed} {arm:<13} {episodes_per_second(run['times'], args.batch):6.2f} ep/s, "
-                          f"wall {run['times'][-1]:6.1f} s, reward {run['rewards'][0]:.3f} -> "
+                          f"wall {run['times'][-1]:6.1f} s, {seconds_per_update(run['times']):.2f} s/update, "
+                          f"generate {statistics.median(run['generate_s']):.2f} s/batch, "
+                          f"response {statistics.fmean(run['response_length']):.0f} tokens, "
+                          f"trainer waited {_fmt(mean_wait(run), '.2f')} s/update, "
+                          f"reward {run['rewards'][0]:.3f} -> "
                           f"{statistics.fmean(run['rewards'][-args.final_window:]):.3f}, "
                           f"load {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             stop_server(server)
     print(f"load average at end: {os.getloadavg()}")
     rows = summarise(runs, args)
-    print_table(rows, args)
+    print("\n" + "\n".join(table_lines(rows, args) + [""] + verdicts(rows)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs, "rows": rows}, f, indent=1)
