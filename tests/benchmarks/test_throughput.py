@@ -46,7 +46,7 @@ def test_the_python_reward_counts_distinct_ids_and_replaces_the_reward_model():
 
 
 @pytest.mark.slow
-def test_the_issue_shape_runs_with_a_python_reward_and_whole_batch_generation():
+def test_b16_in_micro_batches_of_4_at_t64_runs_with_a_python_reward_and_whole_batch_generation(needs_trl_grpo):
     """B=16 in micro-batches of 4, T=64, early stop, one generate call for the batch (``--rollout-chunk 16``),
     the Python reward: ours' grpo arm and TRL's GRPO, with the shape in the table's title."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
