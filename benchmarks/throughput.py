@@ -40,11 +40,6 @@ max_grad_norm 1.0, which only ours applies, ...), fp32, bf16=False (``--bf16``, 
             the forward savings (the reference's and the old log-probs'; ``trainer.scoring`` forced), so
             ``X / X_scored``, paired per repeat, is what the skipped forwards save; those ratios
             are printed as ``forward savings``.
-  shared_gen1, shared_vlora_kl0_gen1
-            ``shared`` / ``shared_vlora_kl0`` sampling the whole batch in one ``generate`` call while the
-            scoring forwards keep chunks of ``--rollout-chunk`` rows (the sampler gets its own copy of
-            the config with ``local_rollout_forward_batch_size=B``): what a generation call size apart
-            from the scoring chunk would give (not in the default run).
   trl_grpo  TRL 1.16's ``GRPOTrainer`` (TRL >= 1.13; not in the default run) on the same policy
             with the same LoRA, the same reward model (``reward_funcs=[model]``), the prompts as
             text, ``num_generations=4``, ``beta=0`` (its default: no reference), one optimizer
@@ -87,9 +82,10 @@ trainer asks for whatever the machine's load.
 
 ``--reward python``: every contender but upstream scores with ``cheap_reward`` (a reward computed
 from the completion ids in Python) instead of the reward model. ``--rollout-chunk`` sets
-``local_rollout_forward_batch_size`` (ours' rows per ``generate`` call and per scoring forward; default
-``--micro``): TRL GRPO generates the whole batch in one call, and on one CPU thread calls of a few rows cost
-several times the CPU of one call for the batch. Every table also reports episodes per second of the
+``local_rollout_forward_batch_size`` (ours' rows per ``generate`` call; default ``--micro``; ours score in
+chunks of ``PPOConfig.scoring_batch_size``, by default the micro-batch): TRL GRPO generates the whole batch
+in one call, and on one CPU thread calls of a few rows cost several times the CPU of one call for the batch.
+Every table also reports episodes per second of the
 process's own CPU time (``time.process_time``) over the same timed updates, and with a ``trl_grpo`` arm
 the paired CPU-time ratios to it: on a machine that other jobs share they move far less than wall time.
 
@@ -153,8 +149,7 @@ DEFAULT_UPDATES = {"tiny": 5, "100m": 1}  # timed updates per run, after one war
 CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt", "shared_nockpt",
               "shared_vlora", "separate_vllm", "shared_vllm", "shared_grpo", "shared_grpo_scored", "shared_kl0",
               "shared_kl0_scored", "shared_vlora_kl0", "shared_vlora_kl0_scored", "shared_branch_mid",
-              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo",
-              "shared_gen1", "shared_vlora_kl0_gen1")
+              "shared_branch_mid_kl0", "shared_branch_3q", "shared_branch_3q_kl0", "trl_grpo")
 DEFAULT_CONTENDERS = ("upstream", "separate_full", "separate", "shared_full", "shared", "separate_nockpt",
                       "shared_nockpt")
 VLLM_CONTENDERS = ("separate", "separate_vllm", "shared", "shared_vllm")
@@ -167,14 +162,14 @@ LABELS = {"upstream": "upstream TRL", "separate": "ours, separate", "shared": "o
           "shared_kl0_scored": "shared, kl 0, scored", "shared_vlora_kl0": "value LoRA, kl 0",
           "shared_vlora_kl0_scored": "vLoRA, kl 0, scored", "shared_branch_mid": "branch at 1/2",
           "shared_branch_mid_kl0": "branch 1/2, kl 0", "shared_branch_3q": "branch at 3/4",
-          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO",
-          "shared_gen1": "shared, gen 1 call", "shared_vlora_kl0_gen1": "vLoRA kl0, gen 1 call"}
+          "shared_branch_3q_kl0": "branch 3/4, kl 0", "trl_grpo": "TRL 1.16 GRPO"}
 # where the branch critic arms branch, as a fraction of the decoder's layers (value_branch_layer = int(N * f))
 BRANCH_AT = {"shared_branch_mid": 1 / 2, "shared_branch_3q": 3 / 4}
 NUM_GENERATIONS = 4  # --num-generations: samples per prompt of the grpo arm (it must divide --micro's batch)
 BATCH, RESPONSE_LENGTH, PROMPT_LENGTHS, N_PROMPTS, SEED = 4, 32, (12, 12), 64, 0
 MICRO = BATCH  # per_device_train_batch_size (--micro); gradient accumulation BATCH // MICRO
-CHUNK = MICRO  # local_rollout_forward_batch_size (--rollout-chunk): prompts per generate call and scoring chunk
+CHUNK = MICRO  # local_rollout_forward_batch_size (--rollout-chunk): prompts per generate call
+# (ours score in chunks of PPOConfig.scoring_batch_size, default the micro-batch at most CHUNK)
 WORKLOAD = "fixed"  # --workload: "fixed" (random policies: rows rarely stop) or "early_stop"
 REWARD = "model"  # --reward: "model" (the random reward model) or "python" (cheap_reward, no reward model)
 # ours before trimming: every forward at prompt + response_length width, rows in rollout/shuffled order
@@ -483,8 +478,6 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         trainer = build_trl_grpo(tokenizer, dataset, models, cfg, clock)
         trainer.remove_callback(PrinterCallback)
         return trainer
-    whole_batch_generation = contender.endswith("_gen1")
-    contender = contender.removesuffix("_gen1")
     if contender.endswith("_vllm"):
         contender, cfg = contender.removesuffix("_vllm"), {**cfg, "use_vllm": True}
     if contender.endswith("_nockpt"):
@@ -528,9 +521,6 @@ def build_trainer(contender: str, tokenizer, dataset, models: PristineModels, cf
         from trl_ppo_ext.scoring_plan import ScoringPlan
 
         trainer.scoring = ScoringPlan(reference=True, old_logprobs=True)
-    if whole_batch_generation:  # the sampler's own copy of the config: generate calls of the whole batch
-        trainer.sampler.args = copy.copy(trainer.args)
-        trainer.sampler.args.local_rollout_forward_batch_size = BATCH
     trainer.remove_callback(PrinterCallback)  # it prints every update's metrics dict
     return trainer
 

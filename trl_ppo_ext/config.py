@@ -228,6 +228,14 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             rate, the optimizer as without this field. Applies to the optimizer the trainer builds
             (not to one passed as ``optimizers=``); refused under DeepSpeed and FSDP (not checked
             there).
+        scoring_batch_size (`int` or `None`, defaults to `None`):
+            Rows per no-grad scoring forward (old log-probs and values, reference, reward models),
+            per process, cut from length-sorted rows and trimmed to their extent. None: the
+            training micro-batch, ``per_device_train_batch_size`` (GRPO scores its log-probs at that
+            size), at most ``local_rollout_forward_batch_size``. ``local_rollout_forward_batch_size``
+            keeps setting the rows per ``generate`` call: sampling the batch in one call and scoring
+            it in chunks of the micro-batch is cheaper than either size for both (a chunk pads only
+            to its own longest row) and holds the logits of a micro-batch at a time.
     """
 
     entropy_coef: float = field(
@@ -354,6 +362,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             "rows sorted by length, so rows of similar length share a trimmed forward. Changes results only "
             "by float summation order; mini-batch shuffling is unchanged. False: rows in rollout/shuffled order. "
             "(transformers' `group_by_length` is the Trainer's dataset sampler, which PPO does not use.)"},
+    )
+    scoring_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per no-grad scoring forward (old log-probs and values, reference, reward models), per "
+            "process, cut from length-sorted rows (group_by_length_in_batches) and trimmed (trim_forwards). "
+            "None: per_device_train_batch_size (GRPO's size for its log-prob forwards), at most "
+            "local_rollout_forward_batch_size, which keeps setting the rows per generate call."},
     )
     max_tokens_per_micro_batch: int | None = field(
         default=None,
@@ -521,6 +536,10 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         for name in ("num_mini_batches", "num_ppo_epochs", "local_rollout_forward_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        size = self.scoring_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"PPOConfig.scoring_batch_size must be a positive integer or None (the training "
+                             f"micro-batch, per_device_train_batch_size), got {size!r}.")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(
@@ -671,6 +690,14 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                     f"agent turns), or leave {name} at {default!r}."
                 )
 
+
+    @property
+    def scoring_chunk_size(self) -> int:
+        """Rows per scoring forward: ``scoring_batch_size``, else ``per_device_train_batch_size`` at
+        most ``local_rollout_forward_batch_size`` (generation's call size, TRL PPO's one size for both)."""
+        if self.scoring_batch_size is not None:
+            return self.scoring_batch_size
+        return min(self.per_device_train_batch_size, self.local_rollout_forward_batch_size)
 
     @property
     def trains_critic(self) -> bool:

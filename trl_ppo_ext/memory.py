@@ -14,7 +14,7 @@ worst moment of each phase of one PPO update, by component:
   ``local_rollout_forward_batch_size`` chunk at ``P + T`` tokens and the last decoding
   step's transients, or the prefill's working set if larger;
 * ``scoring``: resident weights + optimizer state + the largest of the three no-grad
-  forwards (policy+value, reference, reward model) over one chunk, with an offloaded
+  forwards (policy+value, reference, reward model) over one ``scoring_batch_size`` chunk, with an offloaded
   frozen model's weights while it is on the device;
 * ``update``: resident weights + optimizer state (+ autocast's bf16 copies of trainable
   fp32 weights) + the larger of two moments: backward's start (the activations and logits
@@ -234,8 +234,10 @@ class PPORun:
             the rollout batch is ``B = per_device_train_batch_size * gradient_accumulation_steps``.
         num_mini_batches: optimizer steps per PPO epoch; gradients of earlier micro-batches
             of a mini-batch stay alive during the next micro-batch's forward.
-        local_rollout_forward_batch_size: sequences per generation / scoring chunk (``b_r``);
+        local_rollout_forward_batch_size: sequences per generation call (``b_r``);
             None -> ``B``.
+        scoring_batch_size: sequences per scoring forward (``b_s``); None -> the micro-batch
+            ``per_device_train_batch_size``, at most ``b_r`` (``PPOConfig.scoring_chunk_size``).
         prompt_length: ``P``, prompt tokens after padding.
         response_length: ``T``, generated tokens (``PPOConfig.response_length``).
         base_dtype: how frozen weights are stored: ``"fp32"``, ``"bf16"`` or ``"nf4"``.
@@ -264,6 +266,7 @@ class PPORun:
     gradient_accumulation_steps: int = 4
     num_mini_batches: int = 1
     local_rollout_forward_batch_size: int | None = None
+    scoring_batch_size: int | None = None
     prompt_length: int = 512
     response_length: int = 256
     base_dtype: str = "nf4"
@@ -305,6 +308,9 @@ class PPORun:
         if self.local_rollout_forward_batch_size is not None and self.local_rollout_forward_batch_size < 1:
             raise ValueError(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size}: pass a "
                              "positive integer, or None for the whole rollout batch.")
+        if self.scoring_batch_size is not None and self.scoring_batch_size < 1:
+            raise ValueError(f"scoring_batch_size={self.scoring_batch_size}: pass a positive integer, or None "
+                             "for the micro-batch.")
         if self.shared and self.lora_r < 1:
             raise ValueError(f"lora_r={self.lora_r}: a shared-backbone set-up trains a LoRA adapter; pass a rank "
                              ">= 1 (16 is the default).")
@@ -331,8 +337,14 @@ class PPORun:
 
     @property
     def forward_batch(self) -> int:
-        """``b_r``: sequences per generation / scoring forward."""
+        """``b_r``: sequences per generation call."""
         return min(self.local_rollout_forward_batch_size or self.rollout_batch, self.rollout_batch)
+
+    @property
+    def scoring_batch(self) -> int:
+        """``b_s``: sequences per scoring forward (``PPOConfig.scoring_chunk_size``)."""
+        size = self.scoring_batch_size or min(self.per_device_train_batch_size, self.forward_batch)
+        return min(size, self.rollout_batch)
 
     @property
     def accumulates(self) -> bool:
@@ -563,7 +575,7 @@ def _generation(model: ModelShape, run: PPORun) -> dict[str, int]:
 
 def _scoring(model: ModelShape, reward: ModelShape, run: PPORun, reference: int, reward_weights: int) -> dict[str, int]:
     """The largest no-grad forward of scoring, with the offloaded weights it brings in."""
-    b_r, L, T = run.forward_batch, run.sequence_length, run.response_length
+    b_r, L, T = run.scoring_batch, run.sequence_length, run.response_length
     nf4 = run.base_dtype == "nf4"  # the frozen models (and the shared base) are 4-bit
     policy = "policy + value" if run.critic else "policy"
     forwards = {
@@ -786,7 +798,8 @@ def describe_run(run: PPORun, trainable: int) -> str:
     offload = [n for n, on in (("RM", run.offload_reward_model), ("reference", run.offload_ref_model)) if on]
     return (f"{what}; {trainable / 1e6:.1f}M trainable; {run.compute_dtype} compute; "
             f"B={run.rollout_batch} (micro-batch {run.per_device_train_batch_size}, "
-            f"{run.num_mini_batches} mini-batch(es)), forward chunk {run.forward_batch}, "
+            f"{run.num_mini_batches} mini-batch(es)), generate chunk {run.forward_batch}, "
+            f"scoring chunk {run.scoring_batch}, "
             f"P={run.prompt_length}, T={run.response_length}; checkpointing "
             f"{'on' if run.gradient_checkpointing else 'off'}; offload: {', '.join(offload) or 'none'}")
 
@@ -861,7 +874,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "prompt_length", "response_length", "lora_r"):
         run.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     run.add_argument("--local-rollout-forward-batch-size", type=int, default=None,
-                     help="generation/scoring chunk (default: the whole rollout batch)")
+                     help="rows per generate call (default: the whole rollout batch)")
+    run.add_argument("--scoring-batch-size", type=int, default=None,
+                     help="rows per scoring forward (default: the micro-batch, at most the generate call's rows)")
     run.add_argument("--base", choices=BASE_DTYPES, default=defaults.base_dtype, help="frozen weights' storage")
     run.add_argument("--compute", choices=sorted(DTYPE_BYTES), default=defaults.compute_dtype,
                      help="bf16 = bf16 autocast")
@@ -929,6 +944,7 @@ def run_from_args(args) -> PPORun:
             per_device_train_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps, num_mini_batches=args.num_mini_batches,
             local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
+            scoring_batch_size=args.scoring_batch_size,
             prompt_length=args.prompt_length, response_length=args.response_length, base_dtype=args.base,
             compute_dtype=args.compute, shared=not args.four_models, lora_r=args.lora_r,
             lora_target_modules=targets, offload_reward_model=args.offload_reward_model,

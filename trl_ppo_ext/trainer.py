@@ -615,7 +615,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     @torch.no_grad()
     def score_rollout(self, sample: SampledBatch) -> Rollout:
         """Old log-probs and values, reference log-probs and rewards of a sampled batch: once
-        each, per chunk of ``local_rollout_forward_batch_size`` rows; only those the run reads
+        each, per chunk of ``scoring_chunk_size`` rows; only those the run reads
         (``self.scoring``, ``scoring_plan``): without a reference the old log-probs stand in for its
         (a KL of 0), and an on-policy critic-free update fills the old log-probs with its own first
         forward's (zeros until then).
@@ -645,11 +645,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         )
 
     def scoring_chunks(self, sample: SampledBatch):
-        """``rollout.forward_chunks`` of ``local_rollout_forward_batch_size`` rows, cut from
-        length-sorted rows and trimmed to their extent as the config says; per-chunk results go
+        """``rollout.forward_chunks`` of ``scoring_chunk_size`` rows (``PPOConfig.scoring_batch_size``), cut
+        from length-sorted rows and trimmed to their extent as the config says; per-chunk results go
         back to batch order and width with ``chunks.merge``."""
         args = self.args
-        return forward_chunks(sample, args.local_rollout_forward_batch_size, trim=args.trim_forwards,
+        return forward_chunks(sample, args.scoring_chunk_size, trim=args.trim_forwards,
                               group_by_length=args.group_by_length_in_batches)
 
     @torch.no_grad()
@@ -672,7 +672,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
     def _reward_reader(self) -> RewardReader:
         """What ``rewards.batch`` reads of the run besides the batch."""
         return RewardReader(self.processing_class, self.accelerator.device, self.accelerator.autocast,
-                            self.args.local_rollout_forward_batch_size, self.args.chat_template_kwargs,
+                            self.args.scoring_chunk_size, self.args.chat_template_kwargs,
                             self.args.offload_reward_model and not self.is_deepspeed_enabled, self.reward_model)
 
     def reward_text_scores(self, reward, sample: SampledBatch, kwargs: dict | None = None) -> torch.Tensor:

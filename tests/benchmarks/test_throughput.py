@@ -60,15 +60,15 @@ def test_b16_in_micro_batches_of_4_at_t64_runs_with_a_python_reward_and_whole_ba
     assert re.search(r"throughput ratio trl_grpo/separate: \d", proc.stdout)
 
 
-def test_a_gen1_arm_samples_the_batch_in_one_call_and_scores_in_chunks(tmp_path, monkeypatch):
-    """``shared_gen1``: B=16 prompts in one ``generate`` call per update, while the trainer's scoring chunk
-    stays ``--rollout-chunk`` (4); ``shared`` samples them in calls of 4."""
+def test_a_rollout_chunk_of_the_batch_samples_in_one_call_and_scores_in_micro_batches(tmp_path, monkeypatch):
+    """``--rollout-chunk 16``: B=16 prompts in one ``generate`` call per update and scoring forwards of
+    the micro-batch (4 rows, ``scoring_batch_size``'s default); ``--rollout-chunk 4`` samples in calls of 4."""
     from transformers import GenerationMixin
 
     from trl_ppo_ext.tiny import build_tiny_tokenizer, default_words, random_word_prompts
 
     module = _throughput_module()
-    module.BATCH, module.MICRO, module.CHUNK, module.RESPONSE_LENGTH, module.REWARD = 16, 4, 4, 8, "python"
+    module.BATCH, module.MICRO, module.RESPONSE_LENGTH, module.REWARD = 16, 4, 8, "python"
     spec = dict(module.SIZES["tiny"], max_position_embeddings=64)
     tokenizer = build_tiny_tokenizer(words=default_words(spec.pop("words")))
     dataset = random_word_prompts(tokenizer, 32, 12, 12, seed=0)
@@ -82,10 +82,11 @@ def test_a_gen1_arm_samples_the_batch_in_one_call_and_scores_in_chunks(tmp_path,
 
     monkeypatch.setattr(GenerationMixin, "generate", counting)
     seen = {}
-    for arm in ("shared", "shared_gen1"):
+    for chunk in (4, 16):
+        module.CHUNK = chunk
         rows_per_call.clear()
-        trainer = module.build_trainer(arm, tokenizer, dataset, models, module.config_kwargs(str(tmp_path / arm), 1, 1),
-                                       module.Clock())
+        trainer = module.build_trainer("shared", tokenizer, dataset, models,
+                                       module.config_kwargs(str(tmp_path / str(chunk)), 1, 1), module.Clock())
         trainer.train()  # 2 updates
-        seen[arm] = (list(rows_per_call), trainer.args.local_rollout_forward_batch_size)
-    assert seen == {"shared": ([4] * 8, 4), "shared_gen1": ([16, 16], 4)}
+        seen[chunk] = (list(rows_per_call), trainer.args.scoring_chunk_size)
+    assert seen == {4: ([4] * 8, 4), 16: ([16, 16], 4)}

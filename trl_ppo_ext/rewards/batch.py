@@ -39,7 +39,7 @@ class RewardReader:
     """What reading a batch's rewards needs besides the batch and the rewards.
 
     ``tokenizer`` is the policy's; ``forward_batch_size`` the rows a text-path reward model scores
-    at once (``local_rollout_forward_batch_size``); ``offload``: reward models live on the CPU and
+    at once (``PPOConfig.scoring_chunk_size``); ``offload``: reward models live on the CPU and
     come to ``device`` for their block (``offload_reward_model``, never under DeepSpeed);
     ``primary`` the run's ``reward_model`` (the hook's two-argument form reads it).
     """
