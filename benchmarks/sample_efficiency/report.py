@@ -5,9 +5,10 @@ The table (markdown, to stdout and ``DIR/<task>/table.md``): per arm, runs and c
 reward at half the episodes and at the end (each the mean of the ``--window`` updates that end
 there, then mean +- standard deviation over the seeds that did not crash); episodes to reach the
 threshold (the first episode at which that trailing mean reaches it; median over seeds, and how
-many reached it); KL, token entropy and explained variance at the end. The threshold is the
-``trl112`` arm's mean final reward (the goal: reach it in half the episodes), else
-``--threshold``; then the mean training seconds per run and the median over runs of the
+many reached it) and the median wall seconds of training to reach it; KL, token entropy and
+explained variance at the end. The threshold is ``--threshold``, else the ``trl112`` arm's mean
+final reward, else the ``trl_grpo`` arm's (the peer the others race to); then the mean training
+seconds per run and the median over runs of the
 milliseconds per episode (``train_s`` over the run's episodes); where rows have a ``call_rate``
 (tools_env), its mean +- sd over seeds at the first update and at the end. The header warns when
 the finished runs' rows do not all count the same episodes per update (``episode_mismatch``).
@@ -80,13 +81,30 @@ def value_at(run: Run, key: str, episode: float, window: int) -> float | None:
     return sum(r[key] for r in last) / len(last)
 
 
-def episodes_to_reach(run: Run, threshold: float, window: int) -> int | None:
-    """The first episode at which the trailing ``window``-update mean reward reaches ``threshold``."""
+def episodes_to_reach(run: Run, threshold: float, window: int, key: str = "episode") -> float | None:
+    """The first episode (or, with ``key="time_s"``, the wall seconds of training) at which the
+    trailing ``window``-update mean reward reaches ``threshold``; None if it never does (or the
+    row lacks ``key``).
+
+    >>> run = Run(0, [{"reward": r, "episode": 32 * (i + 1), "time_s": 1.5 * (i + 1)} for i, r in enumerate([0, 1, 1])])
+    >>> episodes_to_reach(run, 0.5, 2), episodes_to_reach(run, 0.5, 2, key="time_s"), episodes_to_reach(run, 2, 2)
+    (64, 3.0, None)
+    """
     rows = [r for r in run.rows if r.get("reward") is not None]
     for row, mean in zip(rows, trailing_mean([r["reward"] for r in rows], window)):
         if mean >= threshold:
-            return row["episode"]
+            return row.get(key)
     return None
+
+
+def median_to_reach(runs: list[Run], threshold: float, window: int, key: str, spec: str) -> str:
+    """``"median (reached/runs)"`` of :func:`episodes_to_reach` over ``runs``, a run that never
+    reaches ``threshold`` counting as beyond the budget."""
+    hits = [episodes_to_reach(r, threshold, window, key) for r in runs]
+    reached = sorted(h for h in hits if h is not None)
+    ordered = reached + [math.inf] * (len(hits) - len(reached))
+    median = statistics.median_low(ordered) if len(ordered) % 2 else statistics.median(ordered)
+    return f"{'> budget' if math.isinf(median) else format(median, spec)} ({len(reached)}/{len(hits)})"
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -141,7 +159,8 @@ def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float 
     over the seeds."""
     calls = any("call_rate" in row for runs in runs_by_arm.values() for r in runs for row in r.rows)
     head = ("| arm | runs | crashed | reward at half | final reward | episodes to threshold (median, reached) "
-            "| final KL | final entropy | final expl. var. | train s / run | ms / episode (median) |")
+            "| train s to threshold (median) | final KL | final entropy | final expl. var. | train s / run "
+            "| ms / episode (median) |")
     if calls:
         head += " call rate: first update → final |"
     if memory is not None:
@@ -151,18 +170,14 @@ def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float 
         ok = [r for r in runs if r.crashed is None]
         half = [value_at(r, "reward", episodes / 2, window) for r in ok]
         final = [value_at(r, "reward", episodes, window) for r in ok]
-        reach = "n/a"
+        reach = seconds = "n/a"
         if threshold is not None and ok:
-            hits = [episodes_to_reach(r, threshold, window) for r in ok]
-            reached = sorted(h for h in hits if h is not None)
-            # unreached runs count as "more than the budget" for the median
-            ordered = reached + [math.inf] * (len(hits) - len(reached))
-            median = statistics.median_low(ordered) if len(ordered) % 2 else statistics.median(ordered)
-            shown = "> budget" if math.isinf(median) else f"{median:.0f}"
-            reach = f"{shown} ({len(reached)}/{len(hits)})"
+            reach = median_to_reach(ok, threshold, window, "episode", ".0f")
+            if all(row.get("time_s") is not None for r in ok for row in r.rows):
+                seconds = median_to_reach(ok, threshold, window, "time_s", ".1f").split(" (")[0]
         lines.append(
             f"| {name} | {len(ok)}/{max(expected_seeds, len(runs))} | {len(runs) - len(ok)} | {_mean_sd(half)} "
-            f"| {_mean_sd(final)} | {reach} "
+            f"| {_mean_sd(final)} | {reach} | {seconds} "
             f"| {_mean([value_at(r, 'kl', episodes, window) for r in ok])} "
             f"| {_mean([value_at(r, 'entropy', episodes, window) for r in ok])} "
             f"| {_mean([value_at(r, 'explained_variance', episodes, window) for r in ok])} "
@@ -297,8 +312,9 @@ def report(args, task_dir: Path, arm_names: list[str], seeds: list[int]) -> str:
         runs = [read_run(task_dir / name / f"{s}.jsonl", s) for s in seeds]
         runs_by_arm[name] = [r for r in runs if r is not None]
     threshold, source = args.threshold, "--threshold"
-    if threshold is None and runs_by_arm.get("trl112"):
-        threshold, source = final_reward(runs_by_arm["trl112"], args.episodes, args.window), "trl112's final reward"
+    for peer in ("trl112", "trl_grpo"):  # the peer whose final reward the others race to
+        if threshold is None and runs_by_arm.get(peer):
+            threshold, source = final_reward(runs_by_arm[peer], args.episodes, args.window), f"{peer}'s final reward"
     spec = TASKS[args.task]
     memory = {name: read_memory(task_dir / name / "memory.json") for name in arm_names}
     text = table(runs_by_arm, episodes=args.episodes, threshold=threshold, window=args.window,

@@ -8,11 +8,15 @@ from pathlib import Path
 import pytest
 
 
-def write_run(path: Path, rewards, *, kl=0.1, entropy=1.0, batch=32, end=None):
-    """A run file as a worker writes it: one row per update, then the ``done`` row."""
+def write_run(path: Path, rewards, *, kl=0.1, entropy=1.0, batch=32, end=None, seconds_per_update=None):
+    """A run file as a worker writes it: one row per update, then the ``done`` row; with
+    ``seconds_per_update`` each row keeps the wall seconds of training when its update ended."""
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"update": i + 1, "episode": batch * (i + 1), "reward": r, "scored": batch, "score": r,
              "kl": kl, "entropy": entropy, "explained_variance": None} for i, r in enumerate(rewards)]
+    if seconds_per_update is not None:
+        for i, row in enumerate(rows):
+            row["time_s"] = seconds_per_update * (i + 1)
     end = end if end is not None else {"done": True, "train_s": 2.0, "updates": len(rewards)}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [end]))
 
@@ -68,13 +72,14 @@ def test_table_on_fake_logs(se, tmp_path):
     text = se.table(runs, episodes=128, threshold=0.5, window=1, expected_seeds=3)
     head, rule, a, b = text.splitlines()
     cells = {name: [c.strip() for c in line.strip("|").split("|")] for name, line in (("a", a), ("b", b))}
-    assert head.count("|") == rule.count("|") == 12
+    assert head.count("|") == rule.count("|") == 13
     # a: 2 of 3 ran, 1 crashed; half = episode 64 = update 2: 0.4, 0.2 -> mean 0.3, sd sqrt(0.02) = 0.1414
     # final 0.8, 0.6 -> 0.7 +- 0.1414; threshold 0.5 first reached at update 3 (96) by both -> median 96 (2/2)
     # KL mean (0.5 + 0.3) / 2 = 0.4, entropy (2 + 1) / 2 = 1.5, no explained variance, 2 s per run (crash has none),
     # 2 s over 128 episodes = 15.625 ms per episode
-    assert cells["a"] == ["a", "2/3", "1", "0.300 ± 0.141", "0.700 ± 0.141", "96 (2/2)", "0.4", "1.5", "n/a", "2",
-                          "15.6"]
+    # the fake rows keep no time_s: no seconds to the threshold
+    assert cells["a"] == ["a", "2/3", "1", "0.300 ± 0.141", "0.700 ± 0.141", "96 (2/2)", "n/a", "0.4", "1.5", "n/a",
+                          "2", "15.6"]
     # b never reaches 0.5: median over [inf, inf] -> "> budget"
     assert cells["b"][:6] == ["b", "2/3", "0", "0.200 ± 0.141", "0.300 ± 0.141", "> budget (0/2)"]
     assert se.table(runs, episodes=128, threshold=None, window=1, expected_seeds=3).splitlines()[2].split("|")[6] \
@@ -89,6 +94,18 @@ def test_median_episodes_counts_unreached_runs_as_beyond_the_budget(se, tmp_path
     runs = {"x": [se.read_run(tmp_path / f"{s}.jsonl", s) for s in range(3)]}
     row = se.table(runs, episodes=96, threshold=0.5, window=1, expected_seeds=3).splitlines()[2]
     assert "| 96 (2/3) |" in row
+
+
+def test_seconds_to_the_threshold_median_over_seeds(se, tmp_path):
+    # seed 0 reaches 0.5 at update 2 after 2 x 1.5 s = 3.0 s, seed 1 at update 3 after 3 x 2.0 s = 6.0 s, seed 2 never:
+    # sorted [3.0, 6.0, inf] -> median 6.0
+    write_run(tmp_path / "0.jsonl", [0.0, 0.5, 0.5], seconds_per_update=1.5)
+    write_run(tmp_path / "1.jsonl", [0.0, 0.0, 0.5], seconds_per_update=2.0)
+    write_run(tmp_path / "2.jsonl", [0.0, 0.0, 0.0], seconds_per_update=1.0)
+    runs = {"x": [se.read_run(tmp_path / f"{s}.jsonl", s) for s in range(3)]}
+    cells = [c.strip() for c in se.table(runs, episodes=96, threshold=0.5, window=1, expected_seeds=3)
+             .splitlines()[2].strip("|").split("|")]
+    assert cells[5:7] == ["96 (2/3)", "6.0"]
 
 
 def test_curves_mean_and_sd_over_seeds(se, tmp_path):
