@@ -133,6 +133,51 @@ def ppo_loss(
     return loss, stats
 
 
+def value_only_loss(
+    new_values: torch.Tensor,
+    *,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None,
+    vf_coef: float,
+    num_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of a critic epoch's step (``PPOConfig.num_critic_epochs``): ``vf_coef *`` the
+    clipped value loss of :func:`ppo_loss`, with no policy term, so the critic's gradient is the
+    one a joint PPO step gives it.
+
+    Args:
+        new_values: ``V(s_t)`` of the critic being trained, ``(B, T)``.
+        old_values, returns: the rollout's values and the update's value targets, ``(B, T)``
+            (clipping is around ``old_values``, as in every epoch).
+        response_mask: bool ``(B, T)``, the tokens the update trains on.
+        cliprange_value, vf_coef: as in ``PPOConfig``.
+        num_tokens: the divisor of the token sum (the whole mini-batch's valid tokens on every
+            process); None: this micro-batch's own.
+
+    Returns:
+        ``(loss, stats)``: the scalar loss and this micro-batch's own detached ``vf_loss``,
+        ``vf_clipfrac`` and ``loss`` (``vf_coef * vf_loss``).
+
+    Example (one valid token, V = 2 beyond V_old = 1 +- 0.2, so clipped to 1.2, and R = 3: the
+    clipped term is the larger, ``0.5 * max((2 - 3)^2, (1.2 - 3)^2) = 0.5 * 3.24 = 1.62``):
+
+    >>> loss, stats = value_only_loss(torch.tensor([[2.0, 0.0]]), old_values=torch.tensor([[1.0, 0.0]]),
+    ...     returns=torch.tensor([[3.0, 0.0]]), response_mask=torch.tensor([[True, False]]),
+    ...     cliprange_value=0.2, vf_coef=0.1)
+    >>> round(loss.item(), 4), round(stats["vf_loss"].item(), 4), stats["vf_clipfrac"].item()
+    (0.162, 1.62, 1.0)
+    """
+    vf_loss, vf_stats = F.masked_clipped_value_loss(new_values, old_values, returns, response_mask,
+                                                    cliprange_value, num_tokens)
+    with torch.no_grad():
+        to_local = 1.0 if num_tokens is None else num_tokens.reshape(()) / response_mask.sum().clamp(min=1)
+        vf_loss_local = vf_loss.detach() * to_local
+        stats = {"vf_loss": vf_loss_local, "vf_clipfrac": vf_stats["clipfrac"], "loss": vf_coef * vf_loss_local}
+    return vf_coef * vf_loss, stats
+
+
 def _surrogate_to_local(loss_type: str, token_to_local, num_sequences, batch_size: int):
     """The factor turning the surrogate's share of the mini-batch loss into this micro-batch's
     own figure: ``num_tokens / own tokens`` for "dapo", ``num_sequences / own sequences`` for
