@@ -64,8 +64,10 @@ def test_two_process_train(two_process_runs, mode):
     assert ranks[0]["logs"][-1]["objective/scores"] == ranks[1]["logs"][-1]["objective/scores"]
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=0, abs=1e-9)
     # one optimizer step per mini-batch per PPO epoch on every process, at the prompt loader's epoch
-    # ends (12 prompts, 8 per update over both processes: every update is an epoch's last batch)
-    assert all(r["optimizer_steps"] == [2 * 2, 2 * 2] for r in ranks)
+    # ends (12 prompts, 8 per update over both processes: every update is an epoch's last batch); the
+    # critic mode's third epoch is value-only (num_critic_epochs=3), its steps are optimizer steps too
+    epochs = 3 if mode == "critic" else 2
+    assert all(r["optimizer_steps"] == [2 * epochs, 2 * epochs] for r in ranks)
     if mode == "shared":  # the value adapter trains on both processes alike, under gradient checkpointing
         assert all(r["checkpointing"] for r in ranks)
         assert ranks[0]["value_adapter_end"] != ranks[0]["value_adapter_start"]
@@ -73,7 +75,13 @@ def test_two_process_train(two_process_runs, mode):
     if mode == "budget":  # issue 32: unequal micro-batch counts per process (DDP syncs once per step): no hang
         assert ranks[0]["micro_batch_counts"] == [1] * 8 and ranks[1]["micro_batch_counts"] == [2] * 8
     else:  # the configured micro-batches: 2 rows per process per mini-batch, one micro-batch of 2
-        assert all(r["micro_batch_counts"] == [1] * 8 for r in ranks)
+        assert all(r["micro_batch_counts"] == [1] * 4 * epochs for r in ranks)
+    if mode == "critic":  # the value-only steps' own figures, the same on both processes (the checksum above:
+        # the value model's weights stayed equal with its gradients averaged by hand)
+        assert all(0 <= log["val/clipfrac_critic_epochs_avg"] <= 1 and log["loss/value_critic_epochs_avg"] >= 0
+                   for r in ranks for log in r["logs"])
+        assert [log["loss/value_critic_epochs_avg"] for log in ranks[0]["logs"]] == [
+            log["loss/value_critic_epochs_avg"] for log in ranks[1]["logs"]]
     if mode == "recipe":  # issue 21: the warm-up's first update held the policy on both processes alike
         assert all([log["train/critic_warmup"] for log in r["logs"]] == [1.0, 0.0] for r in ranks)
     if mode == "tools":  # one scripted call per episode on each process, counted over both

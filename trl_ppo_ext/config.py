@@ -134,6 +134,16 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         critic_warmup_explained_variance (`float` or `None`, defaults to `None`):
             End the warm-up early, after the first update whose ``val/explained_variance``
             reaches this (<= 1). None: the warm-up takes ``critic_warmup_steps`` updates.
+        num_critic_epochs (`int` or `None`, defaults to `None`):
+            Critic updates per batch (verl's ``critic.ppo_epochs``; SAO trains the critic twice per
+            batch): the update's epochs over its rollout, of which the first ``num_ppo_epochs`` are
+            the joint PPO epochs and the others train the critic alone, in shuffled mini-batches,
+            against the same returns and old values (value clipping as usual). The policy, its
+            AdamW state and its weight decay do not move in those steps; with the shared value head
+            only the head trains there (the shared trunk is the policy's). Must be
+            ``>= num_ppo_epochs``; refused for an estimator that trains no critic and under
+            DeepSpeed or FSDP (``trl_ppo_ext.critic_epochs``, docs/critic.md). None: the critic
+            trains in the PPO epochs only.
         use_value_adapter (`bool`, defaults to `False`):
             Give the critic its own LoRA adapter on the policy's base (``SharedActorCritic``'s
             ``value_lora_config``; docs/critic.md), a copy of ``peft_config`` without ``lm_head``.
@@ -474,6 +484,12 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
         metadata={"help": "The critic's learning rate is learning_rate times this (its parameters in optimizer "
             "groups of their own; VAPO and NeMo-RL use 2, SAO 5). 1.0: one learning rate."},
     )
+    num_critic_epochs: int | str | None = field(
+        default=None,
+        metadata={"help": "Critic updates per batch (verl's critic.ppo_epochs): epochs over each rollout, the first "
+            "num_ppo_epochs joint, the others value-only steps (the policy and its optimizer state do not move; "
+            "with the shared value head only the head trains). >= num_ppo_epochs. None: num_ppo_epochs."},
+    )
 
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
@@ -625,6 +641,9 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                                                           off="turns it off"))
         self.max_rollout_age = optional_number_from_text(self.max_rollout_age, int, owner="PPOConfig",
                                                          name="max_rollout_age", off="sets no limit")
+        self.num_critic_epochs = optional_number_from_text(self.num_critic_epochs, int, owner="PPOConfig",
+                                                           name="num_critic_epochs",
+                                                           off="trains the critic in the PPO epochs only")
 
     def _check_recipe_fields(self) -> None:
         # `not lo <= x <= hi` is True for nan as well: nan is refused with the rest
@@ -733,6 +752,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 f"PPOConfig.use_value_adapter=True with advantage_estimator={self.advantage_estimator!r}, which trains "
                 "no critic: there is no value to give an adapter. Set use_value_adapter=False, or "
                 "advantage_estimator='gae'.")
+        self._check_critic_epochs()
         ignored = [] if self.trains_critic else _changed_from_default(self, CRITIC_ONLY_FIELDS)
         if ignored:  # a critic-free estimator reads none of these: say so rather than ignore them
             warnings.warn(
@@ -741,6 +761,27 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 "settings (the group estimators normalise by scale_rewards, REINFORCE++ always whitens), so they "
                 "have no effect. Leave them at their defaults, or use advantage_estimator='gae'.",
                 UserWarning, stacklevel=3)
+
+
+    def _check_critic_epochs(self) -> None:
+        """``num_critic_epochs``: None, or an int ``>= num_ppo_epochs`` on a run with a critic."""
+        k = self.num_critic_epochs
+        if k is None:
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"PPOConfig.num_critic_epochs must be an int >= num_ppo_epochs or None (the critic "
+                             f"trains in the PPO epochs only), got {k!r}.")
+        if k < self.num_ppo_epochs:
+            raise ValueError(
+                f"PPOConfig.num_critic_epochs={k} is below num_ppo_epochs={self.num_ppo_epochs}: the critic trains in "
+                "every PPO epoch, and num_critic_epochs counts those too. Set num_critic_epochs >= num_ppo_epochs "
+                f"(e.g. {self.num_ppo_epochs + 1}: one more epoch that trains the critic alone), or None."
+            )
+        if not self.trains_critic:
+            raise ValueError(
+                f"PPOConfig.num_critic_epochs={k} with advantage_estimator={self.advantage_estimator!r}, which trains "
+                "no critic: there is no critic to update. Set num_critic_epochs=None, or advantage_estimator='gae'."
+            )
 
 
 def _changed_from_default(config, names) -> list[tuple[str, object]]:

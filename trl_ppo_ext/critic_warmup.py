@@ -100,12 +100,15 @@ def drop_policy_gradients(model: nn.Module) -> int:
     return dropped
 
 
-def check_supported(args, deepspeed: bool) -> None:
+def check_supported(args, deepspeed: bool, fsdp: bool = False) -> None:
     """Refuse a critic warm-up under DeepSpeed: its engine steps inside ``backward``, before the
-    policy's gradients could be dropped (:func:`drop_policy_gradients`); and a critic learning-rate
-    multiplier under DeepSpeed or FSDP, where its groups are not checked. Raises ``ValueError``
-    naming the field."""
-    if getattr(args, "critic_lr_multiplier", 1.0) != 1.0 and (deepspeed or getattr(args, "fsdp", None)):
+    policy's gradients could be dropped (:func:`drop_policy_gradients`); critic epochs
+    (``num_critic_epochs``) under DeepSpeed for the same reason, and under FSDP (``fsdp``, or
+    ``args.fsdp``), where their value pass runs outside the wrapped forward and their gradients are
+    averaged by hand (``critic_epochs``); and a critic learning-rate multiplier under DeepSpeed or
+    FSDP, where its groups are not checked. Raises ``ValueError`` naming the field."""
+    fsdp = fsdp or bool(getattr(args, "fsdp", None))
+    if getattr(args, "critic_lr_multiplier", 1.0) != 1.0 and (deepspeed or fsdp):
         raise ValueError(
             f"PPOConfig.critic_lr_multiplier={args.critic_lr_multiplier} is not supported under DeepSpeed or FSDP "
             "(the critic's optimizer groups are not checked there). Set critic_lr_multiplier=1.0."
@@ -115,4 +118,14 @@ def check_supported(args, deepspeed: bool) -> None:
             f"PPOConfig.critic_warmup_steps={args.critic_warmup_steps} is not supported under DeepSpeed "
             "(the engine applies the optimizer step inside backward, so the policy cannot be held still). "
             "Set critic_warmup_steps=0, or train without DeepSpeed."
+        )
+    epochs = getattr(args, "num_critic_epochs", None)
+    if epochs is not None and epochs > args.num_ppo_epochs and (deepspeed or fsdp):
+        where, why = (("DeepSpeed", "the engine applies the optimizer step inside backward, so the policy cannot "
+                       "be held still") if deepspeed else
+                      ("FSDP", "the value-only steps run the critic's pass outside the sharded forward and "
+                       "average its gradients themselves, which is not checked on sharded parameters"))
+        raise ValueError(
+            f"PPOConfig.num_critic_epochs={epochs} is not supported under {where} ({why}). Set "
+            f"num_critic_epochs=None, or train without {where}."
         )

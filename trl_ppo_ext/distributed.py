@@ -284,7 +284,7 @@ def needs_equal_micro_batch_counts(accelerator) -> bool:
 
 
 @contextmanager
-def accumulation_step(accelerator, model: nn.Module, last: bool):
+def accumulation_step(accelerator, model: nn.Module, last: bool, reduce: bool = True):
     """The backward of one micro-batch, ``last`` when it ends the mini-batch (the optimizer step).
 
     ``accelerator.accumulate`` counts micro-batches against a fixed number of accumulation
@@ -292,11 +292,13 @@ def accumulation_step(accelerator, model: nn.Module, last: bool):
     process, so the step boundary is said here instead: gradient sync (DDP ``no_sync``
     before it), accelerate's ``sync_gradients`` (the optimizer wrapper steps only then) and
     DeepSpeed's accumulation boundary. Loss scaling is the caller's (``accelerator.backward``
-    still divides by the configured accumulation steps).
+    still divides by the configured accumulation steps). ``reduce`` False: DDP does not reduce the last
+    micro-batch either (a critic epoch's step averages the critic's gradients itself,
+    ``critic_epochs.average_critic_gradients``).
     """
     accelerator.gradient_state._set_sync_gradients(last)
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if wrapped is not None:
         wrapped.engine.set_gradient_accumulation_boundary(last)
-    with nullcontext() if last else accelerator.no_sync(model):
+    with nullcontext() if last and reduce else accelerator.no_sync(model):
         yield

@@ -28,6 +28,7 @@ import torch
 
 from . import functional as F
 from .agents.tool_loop import ToolLoopStats
+from .critic_epochs import critic_epoch_statistics
 from .episodes import turn_statistics
 from .estimators import group_reward_metrics
 from .rollout import Rollout, SampledBatch, valid_token_ids
@@ -58,6 +59,9 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
     With the explained-variance gate on (``targets.used_critic`` set): ``train/gate_used_critic``
     (1 the critic's advantages, 0 the baseline that does not read it) and
     ``train/gate_explained_variance`` (the explained variance the gate measured, every process's).
+    With critic epochs (``num_critic_epochs``), their value-only steps' figures apart from the joint
+    epochs' (``critic_epochs.critic_epoch_statistics``): ``loss/value_critic_epochs_avg``,
+    ``val/clipfrac_critic_epochs_avg``, ``val/grad_norm_critic_epochs_avg``.
     """
     mask = rollout.loss_mask
     lengths = mask.sum(1).float()
@@ -80,6 +84,7 @@ def update_statistics(rollout: Rollout, targets, stats: dict[str, torch.Tensor])
         **per_token,
         **turns,
         **gate,
+        **critic_epoch_statistics(stats),
         "objective/scores": targets.scores.mean(),  # after missing_eos_penalty, as TRL; what GAE trains on
         "objective/scores_before_penalty": rollout.scores.mean(),
         "objective/non_score_reward": targets.non_score_rewards.sum(1).mean(),

@@ -45,7 +45,7 @@ from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed, speed_metrics
 
-from . import critic_warmup, inputs
+from . import critic_epochs, critic_warmup, inputs
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed
 from .advantages import PPOTargets
@@ -69,7 +69,7 @@ from .generation.mismatch import sampling_weights
 from .generation.transformers_generate import configured_stop_token_id, generation_stop_ids
 from .grpo_names import grpo_defaults_warning, grpo_metrics
 from .kl_control import kl_controller_from_config
-from .losses import loss_settings, ppo_loss
+from .losses import loss_settings, ppo_loss, value_only_loss
 from .metrics import (
     checked_eval_metrics,
     completion_rows,
@@ -244,7 +244,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.optimizer_cls_and_kwargs = None
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self._setup_callbacks_and_state(callbacks)
-        critic_warmup.check_supported(args, self.is_deepspeed_enabled)
+        critic_warmup.check_supported(args, self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
         self._setup_dataloaders()
         self._place_frozen_models()
         self._setup_run_control(eval_metrics)
@@ -735,11 +735,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         return estimator_targets(rollout, kl_coef=self.kl_controller.value, **estimator_settings(self.args))
 
     def ppo_update(self, rollout: Rollout, adv: PPOTargets, update: int) -> tuple[dict, GuardDecision]:
-        """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches; one optimizer step
-        per mini-batch, skipped (no parameter changes) when its loss or gradient is not finite.
+        """``num_ppo_epochs`` passes over the rollout in shuffled mini-batches, then (``num_critic_epochs``)
+        the value-only ones (``critic_epochs``); one optimizer step per mini-batch, skipped (no parameter
+        changes) when its loss or gradient is not finite.
 
-        Returns per-micro-batch statistics stacked as ``(n,)`` tensors, and the nonfinite
-        guard's decision (``halt`` stops the update at once).
+        Returns per-micro-batch statistics stacked as ``(n,)`` tensors (a value-only step's under
+        ``critic_epochs.STATS_PREFIX``), and the nonfinite guard's decision (``halt`` stops the update at once).
         """
         loop = self.loop_state
         start, loop.resume_inflight = loop.resume_inflight, None  # set when resuming a preempted update
@@ -753,17 +754,20 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         saved = replace(rollout, extras={k: v for k, v in rollout.extras.items() if k != "environments"})
         if self.agent_rollout is not None:
             saved.extras[INFLIGHT_TOOL_STATS] = asdict(self.sampler.tool_stats)
-        for epoch in range(start.epoch if start else 0, self.plan.num_ppo_epochs):
+        epochs = critic_epochs.total_epochs(self.args)
+        for epoch in range(start.epoch if start else 0, epochs):
+            value_only = critic_epochs.is_value_only(epoch, self.args)
             resuming = start is not None and epoch == start.epoch and start.order is not None
             order = start.order if resuming else torch.randperm(rollout.batch_size, device=rollout.responses.device)
             for index in range(start.mini_batch if resuming else 0, len(slices)):
-                stepped = mini_batch_step(stepper, tokens_only, adv, order[slices[index]], stats,
-                                          loss_terms=self.compute_loss_terms, micro_batches=self.micro_batches,
-                                          warming=warming, update=update)
-                decision = self._count_step(stepped, update, warming)
+                stepped = mini_batch_step(
+                    stepper, tokens_only, adv, order[slices[index]], stats, micro_batches=self.micro_batches,
+                    loss_terms=self.compute_value_loss_terms if value_only else self.compute_loss_terms,
+                    warming=warming, update=update, critic_only=value_only)
+                decision = self._count_step(stepped, update, warming or value_only)
                 if decision.halt:
                     return stack_stats(stats), decision
-                stop_if_preempted(saved, adv, (epoch, index), order, stats, num_ppo_epochs=self.plan.num_ppo_epochs,
+                stop_if_preempted(saved, adv, (epoch, index), order, stats, num_ppo_epochs=epochs,
                                   num_mini_batches=self.plan.num_mini_batches, rollout_age=self.counters.rollout_age,
                                   stop_agreed=lambda: loop.sigterm.stop_agreed(self.accelerator))
         return stack_stats(stats), decision
@@ -841,6 +845,31 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         if not self.scoring.old_logprobs:
             stats[FIRST_LOGPROBS] = old_logprobs  # for the rollout's metrics (see update.mini_batch_step)
         return loss, stats
+
+    def compute_value_loss_terms(
+        self, mb: Rollout, adv: PPOTargets, num_tokens: torch.Tensor | None = None,
+        num_sequences: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of a critic epoch's value-only step on one micro-batch (``num_critic_epochs``):
+        ``vf_coef *`` the clipped value loss over ``loss_mask`` (``losses.value_only_loss``), the values
+        from :meth:`critic_forward`; ``num_tokens`` as in :meth:`compute_loss_terms` (``num_sequences``
+        is accepted and not read: the value loss is a token mean)."""
+        new_values = self.critic_forward(mb)
+        if mb.reward_applies is not None and mb.reward_applies.shape[1]:
+            # a row no reward applies to has no value target (its returns are its old values): no value gradient
+            new_values = torch.where(mb.reward_applies.any(dim=1)[:, None], new_values, new_values.detach())
+        return value_only_loss(new_values, old_values=mb.values, returns=adv.returns, response_mask=mb.loss_mask,
+                               cliprange_value=self.args.cliprange_value, vf_coef=self.args.vf_coef,
+                               num_tokens=num_tokens)
+
+    def critic_forward(self, mb: Rollout) -> torch.Tensor:
+        """``V(s_t)`` ``(b, T)``, with its graph, for a value-only step: the critic's own pass where the
+        layout has one (a value model, a value adapter, a branch critic: :meth:`critic_values`), else the
+        shared value head's, which reads the policy's whole pass (its logits unused)."""
+        inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
+        if has_values_alone(self.unwrapped):
+            return self.critic_values(self.unwrapped, mb, inputs)
+        return self.response_forward(self.unwrapped, mb, inputs)[1]
 
     def sampling_weights(self, mb: Rollout) -> torch.Tensor | None:
         """The truncated importance weights ``pi_old / pi_engine`` of a micro-batch sampled by vLLM

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import critic_warmup
+from . import critic_epochs, critic_warmup
 from .batching import BatchPlan, micro_batch_rows, split_to_count
 from .distributed import accumulation_step, needs_equal_micro_batch_counts
 from .gradients import clip_gradients, skip_scaler_step
@@ -95,7 +95,8 @@ def plan_micro_batches(rollout, mini: torch.Tensor, plan: BatchPlan, accelerator
 
 
 def mini_batch_step(stepper: Stepper, rollout, adv, mini: torch.Tensor, stats: dict[str, list], *,
-                    loss_terms: Callable, micro_batches: Callable, warming: bool, update: int) -> bool | None:
+                    loss_terms: Callable, micro_batches: Callable, warming: bool, update: int,
+                    critic_only: bool = False) -> bool | None:
     """Accumulate gradients over the micro-batches of the mini-batch ``mini``, then step once if finite.
 
     Each micro-batch's loss is its token sum over the valid-token count of the whole mini-batch on
@@ -105,6 +106,12 @@ def mini_batch_step(stepper: Stepper, rollout, adv, mini: torch.Tensor, stats: d
     each trimmed to its own extent. While ``warming`` (a critic warm-up) the policy's gradients are
     dropped before clipping and the step. Appends each micro-batch's statistics to ``stats``; an
     on-policy loss's first log-probs are written into ``rollout.logprobs`` (its pi_old).
+
+    ``critic_only``: a critic epoch's value-only step (``critic_epochs``; ``loss_terms`` the value loss
+    alone): the policy's gradients are dropped as while warming, no micro-batch is reduced by DDP (the
+    policy's parameters get no gradient, which its reducer would wait for) and the critic's gradients
+    are averaged over the processes before clipping instead; the statistics go to ``stats`` under
+    ``critic_epochs.STATS_PREFIX``.
 
     Returns:
         True when the optimizer stepped, False when the step was skipped (a NaN/inf loss or gradient
@@ -123,8 +130,9 @@ def mini_batch_step(stepper: Stepper, rollout, adv, mini: torch.Tensor, stats: d
     nonfinite_loss = torch.zeros((), device=accelerator.device)
     stepped = None
     micros = micro_batches(rollout, mini)
+    prefix = critic_epochs.STATS_PREFIX if critic_only else ""
     for i, micro in enumerate(micros):
-        with accumulation_step(accelerator, stepper.model, last=i == len(micros) - 1):
+        with accumulation_step(accelerator, stepper.model, last=i == len(micros) - 1, reduce=not critic_only):
             mb, mb_adv = rollout.select(micro), adv.select(micro)
             if stepper.trim_forwards:  # the micro-batch's own extent
                 mb, mb_adv = trimmed_together(mb, mb_adv)
@@ -135,13 +143,15 @@ def mini_batch_step(stepper: Stepper, rollout, adv, mini: torch.Tensor, stats: d
             nonfinite_loss = torch.maximum(nonfinite_loss, (~torch.isfinite(loss.detach())).float())
             accelerator.backward(loss * loss_scale)
             if accelerator.sync_gradients:
-                if warming:
+                if warming or critic_only:
                     critic_warmup.drop_policy_gradients(stepper.unwrapped)
+                if critic_only:
+                    critic_epochs.average_critic_gradients(accelerator, stepper.unwrapped)
                 grad_norm = clip_gradients(accelerator, stepper.model, stepper.max_grad_norm, stepper.deepspeed)
                 micro_stats["grad_norm"] = grad_norm
                 stepped = step_if_finite(stepper, grad_norm, nonfinite_loss, update)
         for k, v in micro_stats.items():
-            stats[k].append(v)
+            stats[prefix + k].append(v)
     return stepped
 
 

@@ -86,7 +86,7 @@ def record_optimizer_steps(trainer):
 # The modes of tests/scripts/ppo_two_process.py's one DDP launch (tests/conftest.py's
 # ``two_process_runs``): tests/test_distributed.py's, then the DDP runs tests/end_to_end/test_fsdp2.py compares
 # FSDP2 with (the layouts of tests/scripts/ppo_fsdp2.py, trained under DDP).
-TWO_PROCESS_MODES = ("separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools")
+TWO_PROCESS_MODES = ("separate", "peft", "eval", "recipe", "shared", "budget", "episodes", "tools", "critic")
 DDP_REFERENCE_MODES = ("ddp_separate", "ddp_shared", "ddp_value_adapter")
 
 
