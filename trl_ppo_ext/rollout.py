@@ -62,6 +62,12 @@ class SampledBatch:
     # came from elsewhere (a tool's or an environment's reply, template glue) in an episode with turns
     # (``rollout_func``'s ``env_mask``). None: every response token is the policy's (single turn)
     action_mask: torch.Tensor | None = None
+    # (B, C) long: the critic's own prompt, left padded: a privileged context the policy never sees
+    # (``critic_context_column``, ``critic_context.with_critic_context``) followed by the prompt's real
+    # tokens; the critic reads ``cat(critic_queries, responses)`` where the policy reads ``cat(queries,
+    # responses)`` (:func:`critic_sequence_inputs`). None: the critic reads the policy's sequence
+    critic_queries: torch.Tensor | None = None
+    critic_query_mask: torch.Tensor | None = None  # (B, C) bool: True on the critic's real prompt tokens
 
     @property
     def batch_size(self) -> int:
@@ -215,6 +221,8 @@ TOKEN_FIELDS = frozenset({
     "token_rewards", "kl", "non_score_rewards", "rewards", "advantages", "returns",
 })
 PROMPT_FIELDS = frozenset({"queries", "query_mask"})
+# The critic's own prompt (a privileged context before the prompt): cut to its own extent, apart from the policy's
+CRITIC_PROMPT_FIELDS = frozenset({"critic_queries", "critic_query_mask"})
 
 
 def row_extents(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,19 +249,27 @@ def trimmed_to_extent(batch, prompt_width: int | None = None, response_width: in
     model's outputs on the kept positions do not depend on it (right padding is never
     attended; left padding never attended either, and :func:`sequence_inputs` counts
     positions from the first real token), so a forward on the trimmed batch equals the
-    full-width one on those positions. A new object; ``batch`` is not changed.
+    full-width one on those positions. The critic's own prompt (:data:`CRITIC_PROMPT_FIELDS`, when
+    set) keeps the last columns its longest real row needs, whatever ``prompt_width`` is: it is longer
+    than the policy's by its context. A new object; ``batch`` is not changed.
     """
-    if prompt_width is None or response_width is None:
-        p_len, r_len = row_extents(batch.query_mask, batch.response_mask)
-        widths = torch.stack([p_len.max(), r_len.max()]).tolist() if p_len.numel() else [0, 0]  # one host sync
+    critic_mask, critic_width = getattr(batch, "critic_query_mask", None), None
+    if prompt_width is None or response_width is None or critic_mask is not None:
+        lengths = list(row_extents(batch.query_mask, batch.response_mask))
+        if critic_mask is not None:  # the critic's prompt: its own extent, from the same host sync
+            lengths.append(row_extents(critic_mask, batch.response_mask)[0])
+        widths = torch.stack([x.max() for x in lengths]).tolist() if lengths[0].numel() else [0] * len(lengths)
         # at least one column each: a forward needs a real first token and a position to read
         prompt_width = max(widths[0], 1) if prompt_width is None else prompt_width
         response_width = max(widths[1], 1) if response_width is None else response_width
+        critic_width = max(widths[2], 1) if critic_mask is not None else None
     picked = {}
     for f in fields(batch):
         value = getattr(batch, f.name)
         if torch.is_tensor(value) and f.name in PROMPT_FIELDS:
             value = value[:, value.shape[1] - prompt_width:]
+        elif torch.is_tensor(value) and f.name in CRITIC_PROMPT_FIELDS:
+            value = value[:, value.shape[1] - critic_width:]
         elif torch.is_tensor(value) and f.name in TOKEN_FIELDS and value.dim() > 1:
             value = value[:, :response_width]
         picked[f.name] = value
@@ -331,8 +347,18 @@ def forward_chunks(sample: SampledBatch, chunk_size: int, *, trim: bool = False,
     return ScoringChunks(chunks, order, sample.responses.shape[1])
 
 
+def critic_sequence_inputs(part: SampledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The critic's own :func:`sequence_inputs`, ``cat(critic_queries, responses)`` each ``(b, C + T)``, or
+    None when ``part`` has no privileged context (the critic reads the policy's sequence). The responses
+    are the same ``T`` columns at the end of both sequences, so the last ``T + 1`` positions, where
+    :func:`response_values` reads ``V(s_t)``, are the same states in both."""
+    if part.critic_queries is None:
+        return None
+    return sequence_inputs(part.critic_queries, part.critic_query_mask, part.responses, part.response_mask)
+
+
 def forward_responses(model, inputs: tuple, response_length: int, temperature: float, autocast=nullcontext,
-                      filters: SamplingFilters | None = None):
+                      filters: SamplingFilters | None = None, value_inputs: tuple | None = None):
     """One forward of a policy/value module (``forward(...) -> (logits, values)``) on a chunk.
 
     Args:
@@ -342,15 +368,19 @@ def forward_responses(model, inputs: tuple, response_length: int, temperature: f
         autocast: a context factory the forward runs in (the accelerator's mixed precision).
         filters: the run's sampling filters (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``):
             the logits become the filtered distribution's (``generation.filters``); None: plain.
+        value_inputs: the critic's own ``(input_ids, attention_mask, position_ids)``, each ``(b, C + T)``
+            (:func:`critic_sequence_inputs`), passed to the model as ``value_inputs``; None: the
+            critic reads ``inputs`` (and the model is called without the keyword).
     Returns:
         ``(logits (b, T, V), values (b, T) float32)``: the logits predicting each response token
         (of the distribution sampled from) and ``V(s_t)`` read at the same positions. The rollout
         and the update both use this, so the first PPO ratio is exactly 1.
     """
     input_ids, attention_mask, position_ids = inputs
+    critic = {} if value_inputs is None else {"value_inputs": value_inputs}
     with autocast():
         logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               logits_to_keep=response_length + 1)
+                               logits_to_keep=response_length + 1, **critic)
     logits = filtered_response_logits(response_logits(logits, response_length, temperature), input_ids,
                                       attention_mask, filters)
     return logits, response_values(values, response_length)

@@ -277,7 +277,7 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, logits_to_keep: int = 0,
-                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                value_inputs: tuple | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits and critic values for the last ``logits_to_keep`` positions (0: all).
 
         Args:
@@ -286,6 +286,11 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
             position_ids: positions (left padding needs them). Shape: (B, L).
             logits_to_keep: k > 0 computes the LM head on the last k positions only (PPO
                 needs the response positions, not the prompt's).
+            value_inputs: the critic's own ``(input_ids, attention_mask, position_ids)``, each
+                ``(B, L')``, for its pass under the value adapter (a privileged context before the
+                prompt, ``critic_context_column``); its values are read at its own last k positions.
+                Needs a value adapter that runs its own pass (refused with the shared value head,
+                whose values are the policy's pass, and with a branch critic). None: the policy's.
             **kwargs: passed to the policy's forward (``use_cache`` defaults to False).
 
         Returns:
@@ -296,6 +301,12 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
         kwargs.setdefault("use_cache", False)
         if logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
+        if value_inputs is not None and (self.value_adapter is None or self.value_branch_layer is not None):
+            raise ValueError(
+                "value_inputs (the critic's own sequence) needs a critic with a pass of its own: this "
+                f"SharedActorCritic's values come from the policy's pass ({self._value_layout()}). Build it with "
+                "value_lora_config=LoraConfig(...) and value_branch_layer=None, or use a separate value model."
+            )
         if self.value_head is None:  # no critic: the policy's forward alone
             logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  **kwargs).logits
@@ -317,12 +328,22 @@ class SharedActorCritic(GeneratesWithPolicy, nn.Module):
             hidden = self._branch_hidden_states(branch_inputs)
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:
-            hidden = self._value_hidden_states(input_ids, attention_mask, position_ids)
+            hidden = self._value_hidden_states(*(value_inputs or (input_ids, attention_mask, position_ids)))
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         # Outside autocast: under bf16 mixed precision nn.Linear would round values to bf16.
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return output.logits, values.float()
+
+    def _value_layout(self) -> str:
+        """How this model's values are computed, in words (for errors)."""
+        if self.value_head is None:
+            return "no critic"
+        if self.value_adapter is None:
+            return "the shared value head on the policy's last hidden state"
+        if self.value_branch_layer is not None:
+            return f"a branch critic from the policy's layer {self.value_branch_layer}"
+        return "a value adapter's own pass"
 
     def _branch_capture(self) -> contextlib.AbstractContextManager:
         """Around the policy's pass: record the inputs of the layers above the branch (a list), or

@@ -190,12 +190,18 @@ class PolicyAndValue(GeneratesWithPolicy, nn.Module):
         transformers class, and the backbones and blocks of the policy and the value model."""
         return unit_class_names(self.policy, self.value_model)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0, **kwargs):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0,
+                value_inputs: tuple | None = None, **kwargs):
         """``(logits (B, k, V), values (B, k))`` for the last ``k = logits_to_keep`` positions (0: all);
-        values float32, all 0 without a value model (nothing of a critic runs)."""
+        values float32, all 0 without a value model (nothing of a critic runs). ``value_inputs``: the
+        value model's own ``(input_ids, attention_mask, position_ids)``, each ``(B, L')`` (a privileged
+        context before the prompt, ``critic_context_column``), its values read at its own last ``k``
+        positions; None: the policy's inputs."""
         logits = lm_logits(self.policy, input_ids, attention_mask, position_ids, logits_to_keep)
         if self.value_model is None:
             return logits, torch.zeros(logits.shape[:2], dtype=torch.float32, device=logits.device)
+        if value_inputs is not None:
+            input_ids, attention_mask, position_ids = value_inputs
         hidden = backbone_hidden(self.value_model, input_ids, attention_mask, position_ids)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
