@@ -77,7 +77,8 @@ def test_two_process_train(two_process_runs, mode):
     else:  # the configured micro-batches: 2 rows per process per mini-batch, one micro-batch of 2
         assert all(r["micro_batch_counts"] == [1] * 4 * epochs for r in ranks)
     if mode == "critic":  # the value-only steps' own figures, the same on both processes (the checksum above:
-        # the value model's weights stayed equal with its gradients averaged by hand)
+        # the value model's weights stayed equal with its gradients averaged by hand); the value model read each
+        # process's rows with their `answer` before the prompt (critic_context_column)
         assert all(0 <= log["val/clipfrac_critic_epochs_avg"] <= 1 and log["loss/value_critic_epochs_avg"] >= 0
                    for r in ranks for log in r["logs"])
         assert [log["loss/value_critic_epochs_avg"] for log in ranks[0]["logs"]] == [

@@ -416,3 +416,28 @@ def test_several_samples_per_prompt_stay_together_in_their_batch_for_the_group_e
         assert torch.equal(rloo_advantages(scores, 2), expected)
         sampler.end_update(PolicySnapshot(model, step + 1, step + 1))
     sampler.close_engine()
+
+
+def test_a_dataset_column_rides_with_its_batch_sampled_ahead_for_the_critics_context():
+    """A privileged critic's context (``critic_context_column``) is built from the batch's own column when the
+    trainer scores it: the column reaches each batch sampled ahead with its rows, and the critic's prompts
+    are each row's context before its prompt."""
+    from trl_ppo_ext.critic_context import with_critic_context
+    from trl_ppo_ext.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+
+    def answered(epoch, b, n_per_epoch):
+        return {**_token_batch(epoch, b, n_per_epoch), "answer": ["w1", f"w{b} w{b + 2}"]}
+
+    engine, cursor = FakeFileEngine(), SimpleNamespace(epoch=0, batches=0)
+    sampler, model = _sampler(1, engine), _model()
+    feed = PromptFeed(_data(cursor, batch_of=answered), cursor, lambda batch: batch)
+    for step in range(3):
+        batch = sampler.next_sample(feed, PolicySnapshot(model, step, step))
+        assert batch.extras["answer"] == ["w1", f"w{step} w{step + 2}"]
+        ids = with_critic_context(batch, tok, "answer").critic_queries.tolist()
+        w = tok.convert_tokens_to_ids
+        assert ids == [[tok.pad_token_id, w("w1"), 10 + step], [w(f"w{step}"), w(f"w{step + 2}"), 10 + step]]
+        sampler.end_update(PolicySnapshot(model, step + 1, step + 1))
+    sampler.close_engine()

@@ -144,6 +144,14 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             ``>= num_ppo_epochs``; refused for an estimator that trains no critic and under
             DeepSpeed or FSDP (``trl_ppo_ext.critic_epochs``, docs/critic.md). None: the critic
             trains in the PPO epochs only.
+        critic_context_column (`str` or `None`, defaults to `None`):
+            A privileged critic: the name of a dataset column (e.g. ``"answer"``) whose value, a
+            string, the critic reads before each prompt and the policy never sees: the value and a
+            newline, tokenized with the processing class without special tokens, put before the
+            prompt in the critic's input only (``trl_ppo_ext.critic_context``, docs/critic.md). Needs
+            a critic with a pass of its own: a separate value model or ``use_value_adapter=True``
+            (not the shared value head, not ``value_branch_layer``), and the column in
+            ``train_dataset`` (and ``eval_dataset``). None: the critic reads the policy's input.
         use_value_adapter (`bool`, defaults to `False`):
             Give the critic its own LoRA adapter on the policy's base (``SharedActorCritic``'s
             ``value_lora_config``; docs/critic.md), a copy of ``peft_config`` without ``lm_head``.
@@ -490,6 +498,13 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             "num_ppo_epochs joint, the others value-only steps (the policy and its optimizer state do not move; "
             "with the shared value head only the head trains). >= num_ppo_epochs. None: num_ppo_epochs."},
     )
+    critic_context_column: str | None = field(
+        default=None,
+        metadata={"help": "A privileged critic: a dataset column (e.g. 'answer') whose string value, and a newline, "
+            "the critic reads before each prompt; the policy never sees it. Needs a separate value model or "
+            "use_value_adapter (not the shared head, not value_branch_layer). None: the critic reads the policy's "
+            "input."},
+    )
 
     def guard_settings(self) -> GuardSettings:
         """The guard-rail thresholds of this config, as a ``GuardSettings``."""
@@ -753,6 +768,7 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
                 "no critic: there is no value to give an adapter. Set use_value_adapter=False, or "
                 "advantage_estimator='gae'.")
         self._check_critic_epochs()
+        self._check_critic_context()
         ignored = [] if self.trains_critic else _changed_from_default(self, CRITIC_ONLY_FIELDS)
         if ignored:  # a critic-free estimator reads none of these: say so rather than ignore them
             warnings.warn(
@@ -781,6 +797,31 @@ class PPOConfig(PPOConfigBase, GuardSettings, VLLMArguments, GRPOFields, ToolArg
             raise ValueError(
                 f"PPOConfig.num_critic_epochs={k} with advantage_estimator={self.advantage_estimator!r}, which trains "
                 "no critic: there is no critic to update. Set num_critic_epochs=None, or advantage_estimator='gae'."
+            )
+
+
+    def _check_critic_context(self) -> None:
+        """``critic_context_column``: None (``"None"`` from the command line), or a column name on a run whose
+        critic has a pass of its own (the model's layout is checked by the trainer, ``critic_context.check_layout``)."""
+        column = self.critic_context_column
+        if isinstance(column, str) and column.strip().lower() == "none":
+            column = self.critic_context_column = None
+        if column is None:
+            return
+        if not isinstance(column, str) or not column:
+            raise ValueError(
+                f"PPOConfig.critic_context_column must be a dataset column's name or None, got {column!r}.")
+        if not self.trains_critic:
+            raise ValueError(
+                f"PPOConfig.critic_context_column={column!r} with advantage_estimator={self.advantage_estimator!r}, "
+                "which trains no critic: nothing would read the context. Set critic_context_column=None, or "
+                "advantage_estimator='gae'."
+            )
+        if self.value_branch_layer is not None:
+            raise ValueError(
+                f"PPOConfig.critic_context_column={column!r} with value_branch_layer={self.value_branch_layer}: the "
+                "branch critic shares the policy's layers below the branch, so it cannot read an input of its own. "
+                "Set value_branch_layer=None (the value adapter's own pass), or critic_context_column=None."
             )
 
 

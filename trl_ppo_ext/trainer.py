@@ -45,7 +45,7 @@ from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed, speed_metrics
 
-from . import critic_epochs, critic_warmup, inputs
+from . import critic_context, critic_epochs, critic_warmup, inputs
 from . import functional as F
 from ._compat import PPOTrainerBase, prepare_deepspeed
 from .advantages import PPOTargets
@@ -93,6 +93,7 @@ from .rewards.scoring import reward_function_kwargs, say_nonfinite_rewards
 from .rollout import (
     Rollout,
     SampledBatch,
+    critic_sequence_inputs,
     forward_chunks,
     forward_responses,
     reference_response_logprobs,
@@ -188,6 +189,8 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         self.agent_rollout = build_agent_rollout(args, processing_class, tools, environment_factory, model,
                                                  train_dataset)
         check_prompt_dataset(train_dataset, processing_class)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            critic_context.check_context_column(dataset, args.critic_context_column, name)
         assembly.check_separate_reference(model, ref_model)
         self.rewards = build_run_rewards(
             reward_model, reward_funcs, policy_tokenizer=processing_class, reward_weights=args.reward_weights,
@@ -205,6 +208,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         wrapper = assembly.build_policy_and_value(model, value_model, peft_config, with_value=args.trains_critic,
                                                   value_adapter=args.use_value_adapter,
                                                   value_branch_layer=args.value_branch_layer)
+        critic_context.check_layout(args.critic_context_column, wrapper)  # a privileged critic needs its own pass
         self.policy_model = wrapper.policy
         self.value_model = None if not wrapper.has_value else value_model if value_model is not None else wrapper
         self.is_peft_model = isinstance(wrapper.policy, PeftModel)
@@ -623,6 +627,7 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         No ``(B, T, V)`` tensor is kept for the batch: log-probs are taken per forward chunk.
         Each frozen model is moved to the GPU once for all its chunks when offloaded.
         """
+        sample = self.with_critic_context(sample)  # the critic's own prompts, before any chunk is cut
         chunks = self.scoring_chunks(sample)
         if self.scoring.old_logprobs:
             logprobs, values = (chunks.merge(x) for x in zip(*(
@@ -651,6 +656,12 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
         args = self.args
         return forward_chunks(sample, args.scoring_chunk_size, trim=args.trim_forwards,
                               group_by_length=args.group_by_length_in_batches)
+
+    def with_critic_context(self, sample: SampledBatch) -> SampledBatch:
+        """``sample`` with the critic's own prompts, each row's ``critic_context_column`` value before its
+        prompt (``critic_context.with_critic_context``); ``sample`` itself when the field is None."""
+        column = self.args.critic_context_column
+        return sample if column is None else critic_context.with_critic_context(sample, self.processing_class, column)
 
     @torch.no_grad()
     def score_rewards(self, sample: SampledBatch, chunks: list | None = None):
@@ -695,8 +706,10 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def response_forward(self, model, part: SampledBatch, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``rollout.forward_responses`` in the trainer's precision and temperature: ``(logits
-        (b, T, V), V(s_t) (b, T))``. Scoring and the update both call it."""
+        (b, T, V), V(s_t) (b, T))``, the values from the critic's own sequence when ``part`` carries one
+        (``critic_context_column``). Scoring and the update both call it."""
         return forward_responses(model, inputs, part.responses.shape[1], self.temperature, self.accelerator.autocast,
+                                 value_inputs=critic_sequence_inputs(part),
                                  filters=SamplingFilters.from_config(self.args))
 
     def policy_logprobs_and_values(self, model, part: SampledBatch, inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -706,10 +719,11 @@ class PPOTrainer(CheckpointMixin, ManifestMixin, PPOTrainerBase):
 
     def critic_values(self, model, part: SampledBatch, inputs) -> torch.Tensor:
         """``V(s_t)`` ``(b, T)`` from the critic's own pass, without the policy's (a value model or a
-        value adapter, ``models.values``): an on-policy update's scoring reads nothing else."""
+        value adapter, ``models.values``): an on-policy update's scoring reads nothing else. ``inputs``
+        are the policy's; the critic reads its own sequence instead when ``part`` carries one."""
         T = part.responses.shape[1]
         with self.accelerator.autocast():
-            values = value_forward(model, *inputs, keep=T + 1)
+            values = value_forward(model, *(critic_sequence_inputs(part) or inputs), keep=T + 1)
         return response_values(values, T)
 
     def reference_logprobs(self, part: SampledBatch, inputs) -> torch.Tensor:

@@ -86,8 +86,12 @@ def run_mode(out: Path, mode: str) -> None:
     # budget: issue 32's token budget, chosen per process so that the counts differ for certain: rank 0
     # fits its whole mini-batch into one micro-batch, rank 1 (budget 1) runs one micro-batch per row
     budget = dict(max_tokens_per_micro_batch=10_000 if rank_now == 0 else 1)
-    # critic: a third epoch of value-only steps per update (their gradients averaged by hand, not by DDP)
-    critic = dict(num_critic_epochs=3)
+    # critic: a third epoch of value-only steps per update (their gradients averaged by hand, not by DDP), and a
+    # privileged critic reading each row's `answer` column before the prompt, through DDP's forward
+    critic = dict(num_critic_epochs=3, critic_context_column="answer")
+    prompts = tool_dataset(12) if mode == "tools" else prompt_dataset(tok, n=12)
+    if mode == "critic":
+        prompts = prompts.add_column("answer", [f"w{i % 5} w{i % 3}" for i in range(12)])
     # shared: the one-GPU layout (LoRA policy, value head and a value adapter of its own on one frozen base,
     # the reference = adapters off) under DDP, with TRL's default gradient checkpointing
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -118,7 +122,7 @@ def run_mode(out: Path, mode: str) -> None:
                          **(recipe if mode == "recipe" else {}), **(budget if mode == "budget" else {}),
                          **(tools if mode == "tools" else {}), **(critic if mode == "critic" else {})),
         processing_class=tok, model=policy, ref_model=None if peft or shared else ref, reward_model=reward,
-        train_dataset=tool_dataset(12) if mode == "tools" else prompt_dataset(tok, n=12),
+        train_dataset=prompts,
         value_model=None if shared else value, eval_dataset=eval_dataset,
         peft_config=lora if peft else None,
         eval_metrics={"prompt_words": lambda prompts, completions: [len(p.split()) for p in prompts]},
