@@ -5,7 +5,8 @@ The table (markdown, to stdout and ``DIR/<task>/table.md``): per arm, runs and c
 reward at half the episodes and at the end (each the mean of the ``--window`` updates that end
 there, then mean +- standard deviation over the seeds that did not crash); episodes to reach the
 threshold (the first episode at which that trailing mean reaches it; median over seeds, and how
-many reached it) and the median wall seconds of training to reach it; KL, token entropy and
+many reached it) and the median wall seconds of training to reach it (and CPU seconds, where the
+rows keep ``cpu_s``); KL, token entropy and
 explained variance at the end. The threshold is ``--threshold``, else the ``trl112`` arm's mean
 final reward, else the ``trl_grpo`` arm's (the peer the others race to); then the mean training
 seconds per run and the median over runs of the
@@ -159,7 +160,7 @@ def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float 
     over the seeds."""
     calls = any("call_rate" in row for runs in runs_by_arm.values() for r in runs for row in r.rows)
     head = ("| arm | runs | crashed | reward at half | final reward | episodes to threshold (median, reached) "
-            "| train s to threshold (median) | final KL | final entropy | final expl. var. | train s / run "
+            "| train s to threshold, wall / CPU (median) | final KL | final entropy | final expl. var. | train s / run "
             "| ms / episode (median) |")
     if calls:
         head += " call rate: first update → final |"
@@ -175,6 +176,8 @@ def table(runs_by_arm: dict[str, list[Run]], *, episodes: int, threshold: float 
             reach = median_to_reach(ok, threshold, window, "episode", ".0f")
             if all(row.get("time_s") is not None for r in ok for row in r.rows):
                 seconds = median_to_reach(ok, threshold, window, "time_s", ".1f").split(" (")[0]
+            if all(row.get("cpu_s") is not None for r in ok for row in r.rows):
+                seconds += " / " + median_to_reach(ok, threshold, window, "cpu_s", ".1f").split(" (")[0]
         lines.append(
             f"| {name} | {len(ok)}/{max(expected_seeds, len(runs))} | {len(runs) - len(ok)} | {_mean_sd(half)} "
             f"| {_mean_sd(final)} | {reach} | {seconds} "

@@ -48,7 +48,9 @@ def timed_train(trainer, memory: Path | None = None) -> float:
 def train_writing_rows(build, rows_of, out: Path, *, updates, output_dir: str, memory: Path | None = None) -> int:
     """Train the trainer ``build(callbacks)`` makes (:func:`timed_train`), writing ``OUT.partial``: a
     JSON line for each row ``rows_of(state, logs)`` gives at each log, with ``time_s`` (the wall
-    seconds of training when it was logged), then ``{"done": True, "train_s", "updates"}``, with
+    seconds of training when it was logged) and ``cpu_s`` (the process's CPU seconds since training
+    began: one torch thread, so what other jobs on the machine leave untouched, unlike wall time),
+    then ``{"done": True, "train_s", "updates"}``, with
     ``updates()`` read after training (a trainer may fill the count in its config). The trainer's
     ``output_dir`` is removed after. Returns the updates."""
     from transformers import TrainerCallback
@@ -58,11 +60,12 @@ def train_writing_rows(build, rows_of, out: Path, *, updates, output_dir: str, m
 
         class Rows(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
-                self.start = time.perf_counter()
+                self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 for row in rows_of(state, logs or {}):
-                    handle.write(json.dumps({**row, "time_s": time.perf_counter() - self.start}) + "\n")
+                    handle.write(json.dumps({**row, "time_s": time.perf_counter() - self.start,
+                                             "cpu_s": time.process_time() - self.cpu_start}) + "\n")
                     handle.flush()
 
         train_s = timed_train(build([Rows()]), memory)

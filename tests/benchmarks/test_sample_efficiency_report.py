@@ -17,6 +17,7 @@ def write_run(path: Path, rewards, *, kl=0.1, entropy=1.0, batch=32, end=None, s
     if seconds_per_update is not None:
         for i, row in enumerate(rows):
             row["time_s"] = seconds_per_update * (i + 1)
+            row["cpu_s"] = seconds_per_update * (i + 1) / 2
     end = end if end is not None else {"done": True, "train_s": 2.0, "updates": len(rewards)}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [end]))
 
@@ -98,14 +99,14 @@ def test_median_episodes_counts_unreached_runs_as_beyond_the_budget(se, tmp_path
 
 def test_seconds_to_the_threshold_median_over_seeds(se, tmp_path):
     # seed 0 reaches 0.5 at update 2 after 2 x 1.5 s = 3.0 s, seed 1 at update 3 after 3 x 2.0 s = 6.0 s, seed 2 never:
-    # sorted [3.0, 6.0, inf] -> median 6.0
+    # sorted [3.0, 6.0, inf] -> median 6.0; CPU seconds are half the wall seconds in these rows -> 3.0
     write_run(tmp_path / "0.jsonl", [0.0, 0.5, 0.5], seconds_per_update=1.5)
     write_run(tmp_path / "1.jsonl", [0.0, 0.0, 0.5], seconds_per_update=2.0)
     write_run(tmp_path / "2.jsonl", [0.0, 0.0, 0.0], seconds_per_update=1.0)
     runs = {"x": [se.read_run(tmp_path / f"{s}.jsonl", s) for s in range(3)]}
     cells = [c.strip() for c in se.table(runs, episodes=96, threshold=0.5, window=1, expected_seeds=3)
              .splitlines()[2].strip("|").split("|")]
-    assert cells[5:7] == ["96 (2/3)", "6.0"]
+    assert cells[5:7] == ["96 (2/3)", "6.0 / 3.0"]
 
 
 def test_curves_mean_and_sd_over_seeds(se, tmp_path):
