@@ -27,6 +27,10 @@ class Arm:
     # ours, on episodes with turns: "actions" (the package's GAE over the policy's own tokens) or
     # "step_through" (environment tokens as steps with value and reward 0: step_through_gae)
     gae: str = "actions"
+    # ours: how the policy's LM head trains, "adapter" (the task's LoRA on it) or "whole" (lm_head out of the
+    # LoRA targets and trained whole, modules_to_save: what the trl_grpo arm must do, TRL GRPO refusing an
+    # adapter there)
+    lm_head: str = "adapter"
 
 
 # The recipe's values: VC-PPO/VAPO (2503.01491, 2504.05118), DAPO's clip-higher (2503.14476),
@@ -62,11 +66,13 @@ ARMS["recipe_short"] = Arm({**ARMS["recipe"].overrides, "lam_length_alpha": SHOR
 
 ARMS["step_through"] = Arm(gae="step_through", note="GAE steps through environment tokens (OpenRLHF, SkyRL)")
 GAE_MODES = ("actions", "step_through")
+LM_HEADS = ("adapter", "whole")
 
 
 def parse_arm(text: str) -> tuple[str, Arm]:
     """``NAME:field=value,field=value`` (values as JSON, else strings; ``reward=...`` picks the
-    reward variant, ``trainer=trl112`` TRL's trainer) -> ``(NAME, Arm)``."""
+    reward variant, ``trainer=trl112`` TRL's trainer, ``critic=``, ``gae=`` and ``lm_head=`` the fields
+    of :class:`Arm`) -> ``(NAME, Arm)``."""
     name, _, spec = text.partition(":")
     if not name or not spec:
         raise ValueError(f"--arm {text!r}: write NAME:field=value[,field=value...], e.g. clip:cliprange_high=0.28")
@@ -79,7 +85,7 @@ def parse_arm(text: str) -> tuple[str, Arm]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        (extra if key in ("reward", "trainer", "critic", "gae") else overrides)[key.strip()] = value
+        (extra if key in ("reward", "trainer", "critic", "gae", "lm_head") else overrides)[key.strip()] = value
     return name, Arm(overrides, note="from --arm", **extra)
 
 

@@ -48,10 +48,17 @@ def actor_and_critic(arm, policy, lora, config, value_model) -> dict:
     * ``critic`` "shared" or "value_lora": the shared actor-critic (:func:`shared_actor_critic`),
       without a value head when ``config`` trains no critic.
 
+    With ``arm.lm_head == "whole"`` the policy's LM head leaves the LoRA targets and trains whole
+    (``trl_grpo.grpo_lora``), as the ``trl_grpo`` arm's must.
+
     ``value_model`` is called only where a separate value model is used (a load draws no random
     numbers otherwise), at the point where the tasks loaded it before."""
     if arm.trainer == "trl112":
         return dict(model=policy, ref_model=None, value_model=value_model(), peft_config=lora)
+    if arm.lm_head == "whole":  # as the trl_grpo arm trains it
+        from .trl_grpo import grpo_lora
+
+        lora = grpo_lora(lora)
     if arm.critic in ("separate", "lora"):
         return dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value_model(), lora),
                     peft_config=lora)

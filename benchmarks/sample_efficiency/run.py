@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .arms import CRITICS, GAE_MODES, TRAINERS, Arm
+from .arms import CRITICS, GAE_MODES, LM_HEADS, TRAINERS, Arm
 from .common import LOGGED, _examples_on_path, _quiet
 from .tasks import TASKS, task_module, task_settings
 
@@ -119,6 +119,9 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
                          "model of the policy's vocabulary, and the trl_grpo arm trains on the task's own reward.")
     if arm.gae not in GAE_MODES or (arm.gae != "actions" and arm.trainer != "ours"):
         raise ValueError(f"gae={arm.gae!r}: this package's arms take {', '.join(map(repr, GAE_MODES))}.")
+    if arm.lm_head not in LM_HEADS or (arm.lm_head != "adapter" and arm.trainer != "ours"):
+        raise ValueError(f"lm_head={arm.lm_head!r}: this package's arms take {', '.join(map(repr, LM_HEADS))}; the "
+                         "trl_grpo arm always trains lm_head whole, the trl112 arm as the task's LoRA says.")
     if arm.trainer in spec.refused:
         raise ValueError(spec.refused[arm.trainer])
     if arm.trainer == "trl_grpo":

@@ -50,3 +50,40 @@ def test_the_critic_of_each_arm_is_chosen_in_one_place(se):
     assert len(loads) == 3
     models = se.actor_and_critic(se.ARMS["defaults"], build_tiny_causal_lm(tok, hidden_size=8), lora, None, value_model)
     assert isinstance(models["model"], SharedActorCritic) and models["value_model"] is None and len(loads) == 3
+
+
+def test_lm_head_whole_trains_the_policy_head_as_the_trl_grpo_arm_does(se):
+    """``lm_head=whole``: the policy's LM head leaves the LoRA targets and trains whole (a full copy,
+    vocab x hidden weights) while the other targets keep their adapter; the value adapter is untouched.
+    The default keeps the adapter on the head; lm_head= is parsed as an Arm field, and a value other
+    than "adapter"/"whole", or "whole" on a TRL arm, is refused before anything is built."""
+    from pathlib import Path
+
+    import pytest
+    from peft import LoraConfig
+
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    name, arm = se.parse_arm("w:critic=value_lora,lm_head=whole,kl_coef=0.0")
+    assert (name, arm.lm_head, arm.critic, arm.overrides) == ("w", "whole", "value_lora", {"kl_coef": 0.0})
+    assert se.ARMS["defaults"].lm_head == "adapter"
+
+    def trained(arm_):
+        policy = build_tiny_causal_lm(tok, hidden_size=8)
+        vocab, hidden = policy.get_output_embeddings().weight.shape
+        model = se.actor_and_critic(arm_, policy, lora, None, lambda: None)["model"]
+        return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}, vocab * hidden
+
+    whole, head_size = trained(arm)
+    head = [n for n in whole if "lm_head" in n]
+    assert [whole[n] for n in head] == [head_size]  # one full copy of the head, no adapter on it
+    assert not any("lora_" in n for n in head)
+    assert any("q_proj" in n and "lora_" in n for n in whole)  # the other targets keep their adapter
+    adapted, _ = trained(se.Arm(critic="value_lora"))
+    assert any("lm_head" in n and "lora_" in n for n in adapted)  # the default: an adapter on the head
+    assert sum(adapted.values()) < sum(whole.values())
+    for bad in (se.Arm(lm_head="half"), se.Arm(lm_head="whole", trainer="trl_grpo")):
+        with pytest.raises(ValueError, match="lm_head="):
+            se.run_one("long", bad, 0, model_dir=Path("unused"), episodes=1, hidden_size=8, out=Path("unused"))
