@@ -94,6 +94,13 @@ def prepare(task_name: str, seed: int, model_dir: Path, hidden_size: int) -> Non
     os.replace(tmp, model_dir)
 
 
+def _check_choice(arm: Arm, field: str, choices: tuple[str, ...], why: str) -> None:
+    """Refuse ``arm.<field>`` outside ``choices``, or other than the first (TRL's arms' only one) on a TRL arm."""
+    value = getattr(arm, field)
+    if value not in choices or (value != choices[0] and arm.trainer != "ours"):
+        raise ValueError(f"{field}={value!r}: this package's arms take {', '.join(map(repr, choices))}{why}")
+
+
 def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: int, hidden_size: int,
             out: Path, memory: Path | None = None) -> int:
     """Train one (arm, seed); write a row per update to ``out`` (``.partial`` until done). Returns the updates.
@@ -111,17 +118,14 @@ def run_one(task_name: str, arm: Arm, seed: int, *, model_dir: Path, episodes: i
         raise ValueError(f"reward variant {arm.reward!r}: the {task_name} task has {', '.join(map(repr, variants))}.")
     if arm.trainer not in TRAINERS:
         raise ValueError(f"trainer={arm.trainer!r}: pick one of {', '.join(map(repr, TRAINERS))}.")
-    if arm.critic not in CRITICS or (arm.critic != "shared" and arm.trainer != "ours"):
-        raise ValueError(f"critic={arm.critic!r}: this package's arms take {', '.join(map(repr, CRITICS))}; the "
-                         "trl112 arm always has TRL's separate value model, the trl_grpo arm none.")
+    _check_choice(arm, "critic", CRITICS, "; the trl112 arm always has TRL's separate value model, the trl_grpo "
+                  "arm none.")
     if arm.reward != "default" and arm.trainer != "ours":
         raise ValueError(f"reward variant {arm.reward!r} needs this package's trainer; TRL 1.12's takes one reward "
                          "model of the policy's vocabulary, and the trl_grpo arm trains on the task's own reward.")
-    if arm.gae not in GAE_MODES or (arm.gae != "actions" and arm.trainer != "ours"):
-        raise ValueError(f"gae={arm.gae!r}: this package's arms take {', '.join(map(repr, GAE_MODES))}.")
-    if arm.lm_head not in LM_HEADS or (arm.lm_head != "adapter" and arm.trainer != "ours"):
-        raise ValueError(f"lm_head={arm.lm_head!r}: this package's arms take {', '.join(map(repr, LM_HEADS))}; the "
-                         "trl_grpo arm always trains lm_head whole, the trl112 arm as the task's LoRA says.")
+    _check_choice(arm, "gae", GAE_MODES, ".")
+    _check_choice(arm, "lm_head", LM_HEADS, "; the trl_grpo arm always trains lm_head whole, the trl112 arm as the "
+                  "task's LoRA says.")
     if arm.trainer in spec.refused:
         raise ValueError(spec.refused[arm.trainer])
     if arm.trainer == "trl_grpo":
