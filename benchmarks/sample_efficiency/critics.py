@@ -46,7 +46,10 @@ def actor_and_critic(arm, policy, lora, config, value_model) -> dict:
     * ``critic`` "separate" or "lora": that value model trained whole, or as a LoRA adapter and its
       head (:func:`critic_as`), beside a LoRA policy;
     * ``critic`` "shared" or "value_lora": the shared actor-critic (:func:`shared_actor_critic`),
-      without a value head when ``config`` trains no critic.
+      without a value head when ``config`` trains no critic;
+    * an arm whose overrides set ``use_value_adapter=True``: the policy and its LoRA config, for the
+      trainer to build its own value adapter (with ``value_branch_layer`` where the arm sets it: the
+      branch critic, which only the trainer's config builds).
 
     With ``arm.lm_head == "whole"`` the policy's LM head leaves the LoRA targets and trains whole
     (``trl_grpo.grpo_lora``), as the ``trl_grpo`` arm's must.
@@ -59,6 +62,11 @@ def actor_and_critic(arm, policy, lora, config, value_model) -> dict:
         from .trl_grpo import grpo_lora
 
         lora = grpo_lora(lora)
+    if getattr(config, "use_value_adapter", False):
+        if arm.critic != "shared":
+            raise ValueError(f"use_value_adapter=True builds the trainer's own value adapter; critic={arm.critic!r} "
+                             "names another. Leave critic= out of the arm, or drop use_value_adapter.")
+        return dict(model=policy, ref_model=None, value_model=None, peft_config=lora)
     if arm.critic in ("separate", "lora"):
         return dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value_model(), lora),
                     peft_config=lora)

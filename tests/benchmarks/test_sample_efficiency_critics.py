@@ -87,3 +87,40 @@ def test_lm_head_whole_trains_the_policy_head_as_the_trl_grpo_arm_does(se):
     for bad in (se.Arm(lm_head="half"), se.Arm(lm_head="whole", trainer="trl_grpo")):
         with pytest.raises(ValueError, match="lm_head="):
             se.run_one("long", bad, 0, model_dir=Path("unused"), episodes=1, hidden_size=8, out=Path("unused"))
+
+
+def test_an_arm_asking_for_use_value_adapter_hands_the_trainer_the_policy_and_its_lora(se, tmp_path):
+    """``use_value_adapter=True`` in an arm's overrides (the only way to reach ``value_branch_layer``):
+    the policy and its LoRA config go to the trainer untouched (with ``lm_head=whole``, the head left out
+    of the targets), no value model is loaded; the trainer's value adapter then has the same trainable
+    parameters as the one the ``value_lora`` critic builds by hand. Naming another critic beside it is
+    refused."""
+    import pytest
+    from peft import LoraConfig
+
+    from trl_ppo_ext import PPOConfig
+    from trl_ppo_ext.models.assembly import build_policy_and_value
+    from trl_ppo_ext.tiny import build_tiny_causal_lm, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    lora = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    config = PPOConfig(output_dir=str(tmp_path), use_value_adapter=True, report_to="none")
+
+    def no_value_model():
+        raise AssertionError("the value model was loaded")
+
+    policy = build_tiny_causal_lm(tok, hidden_size=8)
+    models = se.actor_and_critic(se.Arm(), policy, lora, config, no_value_model)
+    assert models == dict(model=policy, ref_model=None, value_model=None, peft_config=lora)
+    whole = se.actor_and_critic(se.Arm(lm_head="whole"), policy, lora, config, no_value_model)["peft_config"]
+    assert "lm_head" not in whole.target_modules and "lm_head" in whole.modules_to_save
+
+    def trainable(model):
+        return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+    by_trainer = build_policy_and_value(build_tiny_causal_lm(tok, hidden_size=8), None, lora, value_adapter=True)
+    by_hand = se.actor_and_critic(se.Arm(critic="value_lora"), build_tiny_causal_lm(tok, hidden_size=8), lora,
+                                  None, no_value_model)["model"]
+    assert trainable(by_trainer) == trainable(by_hand)
+    with pytest.raises(ValueError, match="use_value_adapter=True"):
+        se.actor_and_critic(se.Arm(critic="value_lora"), policy, lora, config, no_value_model)
