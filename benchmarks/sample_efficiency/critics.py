@@ -47,9 +47,10 @@ def actor_and_critic(arm, policy, lora, config, value_model) -> dict:
       head (:func:`critic_as`), beside a LoRA policy;
     * ``critic`` "shared" or "value_lora": the shared actor-critic (:func:`shared_actor_critic`),
       without a value head when ``config`` trains no critic;
-    * an arm whose overrides set ``use_value_adapter=True``: the policy and its LoRA config, for the
-      trainer to build its own value adapter (with ``value_branch_layer`` where the arm sets it: the
-      branch critic, which only the trainer's config builds).
+    * a config with ``use_value_adapter=True`` (an arm's override, or an example's own settings):
+      the policy and its LoRA config, for the trainer to build its own value adapter (with
+      ``value_branch_layer`` where set: the branch critic, which only the trainer's config builds);
+      the same adapter ``critic="value_lora"`` builds by hand, so either critic name leads here.
 
     With ``arm.lm_head == "whole"`` the policy's LM head leaves the LoRA targets and trains whole
     (``trl_grpo.grpo_lora``), as the ``trl_grpo`` arm's must.
@@ -63,9 +64,10 @@ def actor_and_critic(arm, policy, lora, config, value_model) -> dict:
 
         lora = grpo_lora(lora)
     if getattr(config, "use_value_adapter", False):
-        if arm.critic != "shared":
+        if arm.critic not in ("shared", "value_lora"):
             raise ValueError(f"use_value_adapter=True builds the trainer's own value adapter; critic={arm.critic!r} "
-                             "names another. Leave critic= out of the arm, or drop use_value_adapter.")
+                             "names a separate value model. Set use_value_adapter=false in the arm, or leave critic= "
+                             "out of it.")
         return dict(model=policy, ref_model=None, value_model=None, peft_config=lora)
     if arm.critic in ("separate", "lora"):
         return dict(model=policy, ref_model=None, value_model=critic_as(arm.critic, value_model(), lora),

@@ -93,8 +93,8 @@ def test_an_arm_asking_for_use_value_adapter_hands_the_trainer_the_policy_and_it
     """``use_value_adapter=True`` in an arm's overrides (the only way to reach ``value_branch_layer``):
     the policy and its LoRA config go to the trainer untouched (with ``lm_head=whole``, the head left out
     of the targets), no value model is loaded; the trainer's value adapter then has the same trainable
-    parameters as the one the ``value_lora`` critic builds by hand. Naming another critic beside it is
-    refused."""
+    parameters as the one the ``value_lora`` critic builds by hand, so that critic name leads here too.
+    A separate value model named beside it is refused."""
     import pytest
     from peft import LoraConfig
 
@@ -122,5 +122,7 @@ def test_an_arm_asking_for_use_value_adapter_hands_the_trainer_the_policy_and_it
     by_hand = se.actor_and_critic(se.Arm(critic="value_lora"), build_tiny_causal_lm(tok, hidden_size=8), lora,
                                   None, no_value_model)["model"]
     assert trainable(by_trainer) == trainable(by_hand)
-    with pytest.raises(ValueError, match="use_value_adapter=True"):
-        se.actor_and_critic(se.Arm(critic="value_lora"), policy, lora, config, no_value_model)
+    assert se.actor_and_critic(se.Arm(critic="value_lora"), policy, lora, config, no_value_model) == models
+    for separate in ("separate", "lora"):
+        with pytest.raises(ValueError, match="use_value_adapter=True"):
+            se.actor_and_critic(se.Arm(critic=separate), policy, lora, config, no_value_model)
