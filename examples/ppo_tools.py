@@ -20,8 +20,11 @@ Nothing is downloaded. The run:
    function in GRPO's calling convention for tools, ``correct_answer`` (it reads ``completions``,
    one message list per episode). The trainer runs the tool loop: it parses each turn with
    TRL's parser, calls the tool, appends its reply as environment tokens (no loss, no GAE step)
-   and lets the policy answer. The policy is a LoRA adapter on the SFT model, the critic a
-   value head on the same backbone, the reference the SFT model (adapter disabled). With
+   and lets the policy answer. The policy is a LoRA adapter on the SFT model, the critic an
+   adapter of its own on the same base with its own value head (``use_value_adapter``), lambda
+   sized to each episode's length (``lam_length_alpha`` 2), no reference (``kl_coef`` 0, as
+   GRPO's ``beta`` 0) and two PPO epochs per batch: the configuration docs/critic.md gives for
+   tools and turns. With
    ``--environment`` the tool is the method of a ``tool_task.Calculator`` drawn per episode
    (``environment_factory=Calculator``, reset with the episode's row) and the reward
    ``calculator_answer`` reads the instances (``environments=``); prompts and warm-up are the same;
@@ -122,7 +125,12 @@ PPO_DEFAULTS = dict(
     gradient_accumulation_steps=2,
     num_mini_batches=2,
     learning_rate=3e-3,
-    kl_coef=0.01,
+    # the critic docs/critic.md recommends for tools and turns: an adapter of its own, lambda sized to the
+    # episode, no reference, two PPO epochs (docs/examples.md gives this example's figures with it and before it)
+    use_value_adapter=True,
+    lam_length_alpha=2.0,
+    kl_coef=0.0,
+    num_ppo_epochs=2,
     temperature=1.0,
     response_length=48,  # the whole episode: call (~10 ids), the tool's reply (~19), the answer (~5)
     max_tool_calling_iterations=1,  # one round of tools, then the answer
@@ -194,8 +202,8 @@ def print_samples(title: str, evaluation: dict) -> None:
 PPO_SETTINGS = ("learning_rate", "total_episodes", "batch_size", "num_total_batches", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs", "response_length", "temperature",
                 "kl_coef", "kl_estimator", "cliprange", "cliprange_value", "vf_coef", "gamma", "lam",
-                "whiten_rewards", "whiten_advantages", "missing_eos_penalty", "stop_token",
-                "max_tool_calling_iterations", "chat_template_kwargs", "tool_timeout", "use_vllm", "seed")
+                "lam_length_alpha", "use_value_adapter", "whiten_rewards", "whiten_advantages", "missing_eos_penalty",
+                "stop_token", "max_tool_calling_iterations", "chat_template_kwargs", "tool_timeout", "use_vllm", "seed")
 FIGURES = ("accuracy", "call_rate", "accuracy_when_called")
 
 
@@ -255,7 +263,6 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     """SFT warm-up, PPO with a tool, before/after evaluation; returns the summary."""
     from peft import LoraConfig
 
-    from trl_ppo_ext.models.actor_critic import SharedActorCritic
     from trl_ppo_ext.tiny import build_tiny_causal_lm
 
     start = time.perf_counter() if start_time is None else start_time
@@ -288,7 +295,9 @@ def main(argv: list[str] | None = None, *, start_time: float | None = None) -> d
     # the same tool either way: a function, or the method of an environment drawn per episode and reset with its row
     tooling, reward = (({"environment_factory": Calculator}, calculator_answer) if task_args.environment
                        else ({"tools": [multiply]}, correct_answer))
-    trainer = PPOTrainer(args=config, processing_class=task.tokenizer, model=SharedActorCritic(model, lora_config=lora),
+    # the trainer builds the actor-critic from the LoRA config: the critic's own adapter (use_value_adapter), or
+    # with --use_value_adapter false a value head on the policy's backbone
+    trainer = PPOTrainer(args=config, processing_class=task.tokenizer, model=model, peft_config=lora,
                          ref_model=None, reward_model=None, reward_funcs=[reward],
                          train_dataset=prompt_rows(task, split.ppo), value_model=None, **tooling)
     if not config.disable_tqdm:

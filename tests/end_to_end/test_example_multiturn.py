@@ -114,9 +114,10 @@ def test_bad_flags_are_refused_before_anything_is_built(flag, value, message):
 
 
 # --- the example, reduced, in a subprocess -------------------------------------------------
-# Measured with these flags on seeds 0-3 (one thread): held-out reward 0.13-0.15 before, 0.52-0.67 after
-# (gains 0.38-0.52).
-LEARNS_BY = 0.25
+# Measured with these flags on seeds 0-3 (one thread), the example's critic (value adapter, lam_length_alpha 2,
+# kl_coef 0): held-out reward 0.13-0.15 before, 0.83-0.97 after (gains 0.70-0.82; with the value head on the
+# policy's backbone and kl_coef 0.02 it was 0.52-0.67).
+LEARNS_BY = 0.5
 
 
 @pytest.mark.slow

@@ -146,14 +146,15 @@ def test_bad_flags_are_refused_before_anything_is_built(flag, value, message):
 
 
 # --- the example, whole, in this process ---------------------------------------------------
-# Measured (OMP_NUM_THREADS=1, 2 cores), default flags, --seed N --split_seed N for N = 0..7 and --seed N
-# --split_seed 0 for N = 1..3: accuracy 0.41-0.53 -> 0.73-0.94, call rate 0.48-0.59 -> 0.89-0.99 on all eleven
-# runs (docs/examples.md). The test runs the default, seed 0, the weakest of them: 0.531 -> 0.734 (+0.20),
-# 0.586 -> 0.891 (+0.31); the other ten gain 0.33-0.50 in accuracy. Which trajectory a seed takes moves with the
-# float order of the scoring forwards (at 32 rows per scoring forward seed 0 gave 0.852 and 0.945), so the
-# margins sit below the weakest run: a run that does not learn (accuracy and call rate where they started) fails.
+# Measured (OMP_NUM_THREADS=1, 2 cores), default flags (the recommended critic: value adapter, lam_length_alpha 2,
+# kl_coef 0, 2 PPO epochs), --seed N --split_seed N for N = 0..7 and --seed N --split_seed 0 for N = 1..3: accuracy
+# 0.41-0.53 -> 0.85-0.95, call rate 0.48-0.59 -> 0.94-0.98 on all eleven runs (docs/examples.md). The test runs the
+# default, seed 0: 0.531 -> 0.891 (+0.36), 0.586 -> 0.961 (+0.38); the smallest gains of the eleven are +0.36 and
+# +0.38 (accuracy), +0.36 (call rate). Which trajectory a seed takes moves with float order (the scoring forwards'
+# chunks) and with the critic's settings (at 4 PPO epochs seed 3 collapsed to 0.0 / 0.0), so the margins sit well
+# below the weakest run: a run that does not learn (accuracy and call rate where they started) fails.
 # In this process rather than a subprocess: the imports are paid once for the file's two runs.
-ACCURACY_GAIN, CALL_RATE_GAIN, CALL_RATE_AFTER = 0.15, 0.2, 0.85
+ACCURACY_GAIN, CALL_RATE_GAIN, CALL_RATE_AFTER = 0.25, 0.3, 0.9
 
 
 def _newest_trl() -> bool:
