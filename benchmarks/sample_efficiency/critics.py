@@ -6,16 +6,13 @@ from __future__ import annotations
 
 def shared_actor_critic(critic: str, policy, lora, config=None):
     """The examples' shared LoRA actor-critic; with ``critic="value_lora"`` the critic gets its own
-    adapter of ``lora``'s rank and targets (the LM head excepted) on the same base. Without a value
-    head when ``config`` trains no critic (a critic-free ``advantage_estimator``)."""
-    from peft import LoraConfig
-
+    adapter on the same base, the trainer's ``value_adapter_config`` of ``lora`` (its rank and targets,
+    the LM head excepted: what ``use_value_adapter=True`` builds). Without a value head when ``config``
+    trains no critic (a critic-free ``advantage_estimator``)."""
     from trl_ppo_ext.models.actor_critic import SharedActorCritic
+    from trl_ppo_ext.models.assembly import value_adapter_config
 
-    value_lora = None
-    if critic == "value_lora":
-        value_lora = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
-                                target_modules=[t for t in lora.target_modules if t != "lm_head"])
+    value_lora = value_adapter_config(lora) if critic == "value_lora" else None
     if not getattr(config, "trains_critic", True):
         return SharedActorCritic(policy, lora_config=lora, with_value=False)
     return SharedActorCritic(policy, lora_config=lora, value_lora_config=value_lora)
